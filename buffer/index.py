@@ -1,0 +1,244 @@
+"""An in-memory index of every group in a buffer and how often it was consumed.
+
+The index reads only small scalar columns of each shard, once (shards never
+change), and each ledger shard once; `refresh` picks up what appeared since the
+last call and follows compaction (a group that moved to a c-file keeps its
+state). It gives group states and counts without scanning token columns, so a
+pull costs the same at 10,000 groups as at 100,000.
+
+States of a group for a trainer at version t with limit max_staleness (None =
+unlimited) and a reuse count R (times a group may be trained on):
+
+    filtered     all rewards equal: never sampled
+    consumed     trained on R times
+    unavailable  its shard was quarantined after it was indexed
+    future       version > t (sampled by weights of an undone timeline, after a resume)
+    expired      staleness(t, version) > max_staleness
+    eligible     everything else: may be pulled
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from buffer.layout import BufferDir
+from buffer.schema import FILTER_REASONS, INDEX_COLUMNS, staleness
+
+ELIGIBLE, CONSUMED, FILTERED, EXPIRED, FUTURE, UNAVAILABLE = range(6)
+STATE_NAMES = ("eligible", "consumed", "filtered", "expired", "future", "unavailable")
+_REASON_CODE = {r: i + 1 for i, r in enumerate(FILTER_REASONS)}  # 0: not filtered
+
+
+def ledger_step(path: Path) -> int:
+    """Trainer step encoded in a ledger shard name 'step-000000012-0000.parquet'."""
+    return int(path.name.split("-")[1])
+
+
+def admission_limit(trainer_version: int, max_staleness: int | None, groups_per_step: int) -> int | None:
+    """Most non-filtered groups that may have been admitted at trainer version t.
+
+    limit(t) = (max_staleness + t + 1) * groups_per_step (AReaL's rule): a
+    generator that has seen `admitted >= limit(t)` waits for the trainer, so in
+    steady state almost nothing expires. None when staleness is unlimited.
+    """
+    if max_staleness is None:
+        return None
+    return (max_staleness + trainer_version + 1) * groups_per_step
+
+
+@dataclass
+class _Grow:
+    """A numpy column that grows by appending (amortised doubling)."""
+
+    data: np.ndarray
+    n: int = 0
+
+    @classmethod
+    def of(cls, dtype) -> "_Grow":
+        return cls(np.zeros(1024, dtype=dtype))
+
+    def extend(self, values: np.ndarray) -> None:
+        need = self.n + len(values)
+        if need > len(self.data):
+            grown = np.zeros(max(need, 2 * len(self.data)), dtype=self.data.dtype)
+            grown[: self.n] = self.data[: self.n]
+            self.data = grown
+        self.data[self.n: need] = values
+        self.n = need
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.data[: self.n]
+
+
+class GroupIndex:
+    """Groups, their location and consumption; refreshed incrementally from the files."""
+
+    def __init__(self, root: str | os.PathLike, *, as_of_step: int | None = None, quarantine: bool = True):
+        self.dir = BufferDir(root)
+        self.as_of_step = as_of_step
+        self.quarantine = quarantine
+        self.group_ids: list[str] = []
+        self.id_to_idx: dict[str, int] = {}
+        self.version = _Grow.of(np.int64)
+        self.reason = _Grow.of(np.int8)
+        self.created_us = _Grow.of(np.int64)
+        self.group_size = _Grow.of(np.int32)
+        self.reward_mean = _Grow.of(np.float64)
+        self.use_count = _Grow.of(np.int32)
+        self.available = _Grow.of(np.bool_)
+        self.file_idx = _Grow.of(np.int32)
+        self.row_group = _Grow.of(np.int32)
+        self.files: list[Path] = []           # file_idx -> path
+        self._file_of: dict[str, int] = {}    # live file name -> file_idx
+        self._ledger_seen: set[str] = set()
+        self._early_uses: dict[str, int] = {}  # ledger ids whose shard is not indexed (quarantined)
+        self.unreadable: dict[str, str] = {}  # shards skipped (quarantine=False): name -> reason
+        self.quarantined_now: list[tuple[str, str]] = []
+        self.refresh()
+
+    def __len__(self) -> int:
+        return len(self.group_ids)
+
+    # -- refresh -----------------------------------------------------------------
+    def refresh(self) -> None:
+        """Index shards and ledger records that appeared; follow files that went away."""
+        live = self.dir.live_shards()
+        live_names = {p.name for p in live}
+        for p in live:
+            if p.name not in self._file_of and p.name not in self.unreadable:
+                self._index_shard(p)
+        gone = [name for name in self._file_of if name not in live_names]
+        for name in gone:
+            fidx = self._file_of.pop(name)
+            lost = self.file_idx.view == fidx
+            self.available.view[lost] = False
+        for p in self.dir.ledger_shards():
+            if p.name in self._ledger_seen:
+                continue
+            if self.as_of_step is not None and ledger_step(p) > self.as_of_step:
+                continue
+            self._ledger_seen.add(p.name)
+            self.add_uses(pq.read_table(p, columns=["group_id"]).column(0).to_pylist())
+
+    def add_uses(self, group_ids: list[str]) -> None:
+        for gid in group_ids:
+            idx = self.id_to_idx.get(gid)
+            if idx is None:
+                self._early_uses[gid] = self._early_uses.get(gid, 0) + 1
+            else:
+                self.use_count.view[idx] += 1
+
+    def mark_unreadable(self, path: Path, reason: str) -> None:
+        """Quarantine (or, read-only, skip) a shard; its groups become unavailable."""
+        if self.quarantine:
+            if self.dir.quarantine(path, reason) is not None:
+                self.quarantined_now.append((path.name, reason))
+        else:
+            warnings.warn(f"skipping unreadable shard {path}: {reason}", stacklevel=2)
+        self.unreadable[path.name] = reason
+        fidx = self._file_of.pop(path.name, None)
+        if fidx is not None:
+            self.available.view[self.file_idx.view == fidx] = False
+
+    def _index_shard(self, path: Path) -> None:
+        try:
+            pf = pq.ParquetFile(path)
+            table = pf.read(columns=INDEX_COLUMNS)
+        except FileNotFoundError:
+            return  # compacted away between listing and reading; the c-file has its groups
+        except Exception as e:  # noqa: BLE001 - any decode error means the file is unusable
+            self.mark_unreadable(path, f"unreadable: {type(e).__name__}: {e}")
+            return
+        enc = pc.dictionary_encode(table.column("group_id")).combine_chunks()
+        codes = enc.indices.to_numpy()
+        uniq = enc.dictionary.to_pylist()
+        counts = np.bincount(codes, minlength=len(uniq))
+        first = np.full(len(uniq), len(codes), dtype=np.int64)
+        np.minimum.at(first, codes, np.arange(len(codes)))
+        sizes = table.column("group_size").to_numpy()[first]
+        last = np.zeros(len(uniq), dtype=np.int64)
+        np.maximum.at(last, codes, np.arange(len(codes)))
+        bad = (counts != sizes) | (last - first + 1 != counts)
+        if len(codes) == 0 or bad.any():
+            gid = uniq[int(np.argmax(bad))] if bad.any() else None
+            self.mark_unreadable(path, f"partial group {gid!r}: rows do not match group_size"
+                                 if gid else "shard has no rows")
+            return
+        rg_starts = np.cumsum([0] + [pf.metadata.row_group(i).num_rows
+                                     for i in range(pf.metadata.num_row_groups)])[:-1]
+        rgs = (np.searchsorted(rg_starts, first, side="right") - 1).astype(np.int32)
+        rg_last = (np.searchsorted(rg_starts, last, side="right") - 1).astype(np.int32)
+        if (rgs != rg_last).any():
+            self.mark_unreadable(path, "a group spans two row groups")
+            return
+        fidx = len(self.files)
+        self.files.append(path)
+        self._file_of[path.name] = fidx
+        col = {c: table.column(c) for c in INDEX_COLUMNS}
+        reasons = np.array([_REASON_CODE.get(r, 0) for r in col["filter_reason"].take(first).to_pylist()],
+                           dtype=np.int8)
+        filtered = col["filtered"].to_numpy(zero_copy_only=False)[first]
+        reasons[filtered & (reasons == 0)] = _REASON_CODE["all_equal"]
+        versions = col["version"].to_numpy()[first]
+        created = col["created_at"].cast(pa.int64()).to_numpy()[first]
+        means = col["group_reward_mean"].to_numpy()[first]
+        new = [i for i, g in enumerate(uniq) if g not in self.id_to_idx]
+        moved = [i for i, g in enumerate(uniq) if g in self.id_to_idx]
+        for i in moved:  # compaction: same group, new home
+            idx = self.id_to_idx[uniq[i]]
+            self.file_idx.view[idx] = fidx
+            self.row_group.view[idx] = rgs[i]
+            self.available.view[idx] = True
+        if new:
+            sel = np.asarray(new)
+            base = len(self.group_ids)
+            for j, i in enumerate(new):
+                self.id_to_idx[uniq[i]] = base + j
+                self.group_ids.append(uniq[i])
+            self.version.extend(versions[sel])
+            self.reason.extend(reasons[sel])
+            self.created_us.extend(created[sel])
+            self.group_size.extend(sizes[sel])
+            self.reward_mean.extend(means[sel])
+            self.use_count.extend(np.array([self._early_uses.pop(uniq[i], 0) for i in new], np.int32))
+            self.available.extend(np.ones(len(new), np.bool_))
+            self.file_idx.extend(np.full(len(new), fidx, np.int32))
+            self.row_group.extend(rgs[sel])
+
+    # -- states and counts -------------------------------------------------------
+    def states(self, trainer_version: int, max_staleness: int | None, reuse: int = 1) -> np.ndarray:
+        """State code per group (see module doc), shape (num_groups,)."""
+        stale = staleness(trainer_version, self.version.view)
+        s = np.full(len(self), ELIGIBLE, dtype=np.int8)
+        if max_staleness is not None:
+            s[stale > max_staleness] = EXPIRED
+        s[stale < 0] = FUTURE
+        s[~self.available.view] = UNAVAILABLE
+        s[self.use_count.view >= reuse] = CONSUMED
+        s[self.reason.view > 0] = FILTERED
+        return s
+
+    def counts(self, trainer_version: int, max_staleness: int | None, reuse: int = 1) -> dict:
+        """Groups per state, filtered per reason, and states per version."""
+        s = self.states(trainer_version, max_staleness, reuse)
+        per_state = np.bincount(s, minlength=len(STATE_NAMES))
+        reasons = np.bincount(self.reason.view, minlength=len(FILTER_REASONS) + 1)
+        out = {"groups": len(self), **{name: int(per_state[i]) for i, name in enumerate(STATE_NAMES)}}
+        out["filtered_by_reason"] = {r: int(reasons[c]) for r, c in _REASON_CODE.items()}
+        out["admitted"] = int(len(self) - per_state[FILTERED])
+        by_version: dict[int, dict[str, int]] = {}
+        versions = self.version.view
+        for v in np.unique(versions):
+            row = np.bincount(s[versions == v], minlength=len(STATE_NAMES))
+            by_version[int(v)] = {name: int(row[i]) for i, name in enumerate(STATE_NAMES) if row[i]}
+        out["by_version"] = by_version
+        return out

@@ -1,0 +1,192 @@
+"""Pulling groups for the trainer, and the consumption ledger.
+
+Only the trainer pulls, and only the trainer writes ledger/: a `Sampler` holds
+`ledger.lock` for as long as it is open, so a second trainer on the same buffer
+is an error, not a silent double count. Every pull writes one ledger shard
+`step-<trainer_step>-<seq>.parquet` (temp + rename) before returning, so a
+crash after a pull can never forget it.
+
+Resume: `Sampler(root, as_of_step=k)` moves ledger shards of steps after k to
+ledger/abandoned/ (kept for audit, invisible to replay and SQL), so a trainer
+restored from its checkpoint at step k is offered exactly the groups it had
+not trained on by then.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from filelock import FileLock, Timeout
+
+from buffer.index import ELIGIBLE, GroupIndex, ledger_step
+from buffer.layout import BufferDir, BufferError, tmp_name
+from buffer.schema import LEDGER_SCHEMA, staleness
+
+Order = Literal["oldest", "newest", "uniform"]
+ORDERS: tuple[Order, ...] = ("oldest", "newest", "uniform")
+
+
+@dataclass
+class Batch:
+    """Groups pulled for one trainer step: rows in pull order, each group's rows together."""
+
+    table: pa.Table            # one row per completion (B = sum of group sizes), ordered by group
+    group_ids: list[str]       # (N,) in pull order
+    versions: np.ndarray       # (N,) policy version of each group
+    staleness: np.ndarray      # (N,) trainer_version - version
+    trainer_step: int
+    trainer_version: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_ids)
+
+
+class Sampler:
+    """Staleness-limited pulls of whole groups, with the ledger replayed on open."""
+
+    def __init__(self, root: str | os.PathLike, *, as_of_step: int | None = None, reuse: int = 1,
+                 order: Order = "oldest", seed: int = 0):
+        if reuse < 1:
+            raise BufferError(f"reuse must be >= 1 (times a group may be trained on), got {reuse}")
+        if order not in ORDERS:
+            raise BufferError(f"order must be one of {ORDERS}, got {order!r}")
+        if as_of_step is not None and as_of_step < 0:
+            raise BufferError(f"as_of_step must be >= 0, got {as_of_step}")
+        self.dir = BufferDir(root)
+        self.reuse, self.order, self.seed = reuse, order, seed
+        self._lock = FileLock(str(self.dir.root / "ledger.lock"))
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            raise BufferError(f"another trainer holds {self.dir.root / 'ledger.lock'}; "
+                              "one trainer per buffer") from None
+        if as_of_step is not None:
+            self._abandon_after(as_of_step)
+        self.index = GroupIndex(self.dir.root, quarantine=True)
+        self._step_seq: dict[int, int] = {}
+        for p in self.dir.ledger_shards():
+            s = ledger_step(p)
+            self._step_seq[s] = max(self._step_seq.get(s, 0), int(p.stem.split("-")[2]) + 1)
+
+    def _abandon_after(self, step: int) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for p in self.dir.ledger_shards():
+            if ledger_step(p) > step:
+                os.replace(p, self.dir.abandoned / f"{stamp}-{os.getpid()}-{p.name}")
+
+    def close(self) -> None:
+        if self._lock.is_locked:
+            self._lock.release()
+
+    def __enter__(self) -> "Sampler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def counts(self, trainer_version: int, max_staleness: int | None) -> dict:
+        self.index.refresh()
+        return self.index.counts(trainer_version, max_staleness, self.reuse)
+
+    def pull(self, n: int, *, trainer_version: int, trainer_step: int,
+             max_staleness: int | None) -> Batch | None:
+        """Take `n` eligible groups and record them in the ledger; None if fewer than n are eligible.
+
+        Eligible: not filtered, used fewer than `reuse` times, 0 <= staleness <= max_staleness.
+        Order: groups used fewer times first (so reuse makes passes), then by `order`
+        (oldest: lowest version, then earliest appended, so data is used before it expires).
+        """
+        if n < 1:
+            raise BufferError(f"pull size must be >= 1, got {n}")
+        if max_staleness is not None and max_staleness < 0:
+            raise BufferError(f"max_staleness must be >= 0 or None, got {max_staleness}")
+        idx = self.index
+        idx.refresh()
+        while True:
+            eligible = np.flatnonzero(idx.states(trainer_version, max_staleness, self.reuse) == ELIGIBLE)
+            if len(eligible) < n:
+                return None
+            chosen = self._choose(eligible, n, trainer_step)
+            table = self._read_groups(chosen)
+            if table is not None:
+                break  # else a shard was quarantined: choose again among what is left
+        group_ids = [idx.group_ids[i] for i in chosen]
+        versions = idx.version.view[chosen].copy()
+        self._record(group_ids, versions, idx.use_count.view[chosen].copy(), trainer_step, trainer_version)
+        idx.use_count.view[chosen] += 1
+        return Batch(table, group_ids, versions, staleness(trainer_version, versions),
+                     trainer_step, trainer_version)
+
+    def _choose(self, eligible: np.ndarray, n: int, trainer_step: int) -> np.ndarray:
+        idx = self.index
+        uses = idx.use_count.view[eligible]
+        if self.order == "uniform":
+            rng = np.random.default_rng([self.seed, trainer_step])
+            key = rng.permutation(len(eligible))
+            order = np.lexsort((key, uses))
+        else:
+            sign = 1 if self.order == "oldest" else -1
+            order = np.lexsort((sign * eligible, sign * idx.created_us.view[eligible],
+                                sign * idx.version.view[eligible], uses))
+        return eligible[order[:n]]
+
+    def _read_groups(self, chosen: np.ndarray) -> pa.Table | None:
+        """Rows of the chosen groups in pull order; None if a shard proved unreadable."""
+        idx = self.index
+        want = pa.array([idx.group_ids[i] for i in chosen])
+        parts = []
+        files = idx.file_idx.view[chosen]
+        for fidx in np.unique(files):
+            path = idx.files[fidx]
+            in_file = chosen[files == fidx]
+            rgs = np.unique(idx.row_group.view[in_file]).tolist()
+            try:
+                t = pq.ParquetFile(path).read_row_groups(rgs)
+            except Exception as e:  # noqa: BLE001 - FileNotFound (deleted) or corrupt data pages
+                idx.mark_unreadable(path, f"unreadable during pull: {type(e).__name__}: {e}")
+                return None
+            parts.append(t.filter(pc.is_in(t.column("group_id"), value_set=want)))
+        table = pa.concat_tables(parts, promote_options="default")
+        pos = pc.index_in(table.column("group_id"), value_set=want)
+        got = np.bincount(pos.to_numpy(), minlength=len(chosen))
+        if (got != idx.group_size.view[chosen]).any():
+            bad = int(np.argmax(got != idx.group_size.view[chosen]))
+            idx.mark_unreadable(idx.files[files[bad]], f"partial group {idx.group_ids[chosen[bad]]!r}")
+            return None
+        order = pc.sort_indices(pa.table({"p": pos, "s": table.column("sample_index")}),
+                                sort_keys=[("p", "ascending"), ("s", "ascending")])
+        return table.take(order)
+
+    def _record(self, group_ids: list[str], versions: np.ndarray, uses: np.ndarray,
+                trainer_step: int, trainer_version: int) -> Path:
+        seq = self._step_seq.get(trainer_step, 0)
+        self._step_seq[trainer_step] = seq + 1
+        now_us = int(time.time() * 1e6)
+        n = len(group_ids)
+        table = pa.table({
+            "group_id": pa.array(group_ids, pa.string()),
+            "trainer_step": pa.array(np.full(n, trainer_step, np.int64)),
+            "trainer_version": pa.array(np.full(n, trainer_version, np.int64)),
+            "group_version": pa.array(versions.astype(np.int64)),
+            "staleness": pa.array(staleness(trainer_version, versions).astype(np.int64)),
+            "use_index": pa.array(uses.astype(np.int32)),
+            "consumed_at": pa.array(np.full(n, now_us, np.int64)).cast(pa.timestamp("us", tz="UTC")),
+        }, schema=LEDGER_SCHEMA)
+        final = self.dir.ledger / f"step-{trainer_step:09d}-{seq:04d}.parquet"
+        tmp = self.dir.tmp / tmp_name(final.name)
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        self.index._ledger_seen.add(final.name)
+        return final

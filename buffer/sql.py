@@ -1,0 +1,203 @@
+"""SQL over a buffer (or a run directory) with DuckDB, read-only.
+
+Views, rebuilt from the manifest on every query so they follow the daemons:
+
+    rollouts     one row per completion (every column of the rollout schema)
+    groups       one row per group, with how often and when it was consumed
+    consumed     the ledger: one row per (group, pull) by the trainer
+    metrics      the trainer's per-step metrics (only when the run has written some)
+    quarantined  shards moved aside, with the reason
+
+An empty buffer gives empty views, not an error. A user's query cannot change
+anything on disk, by two independent guards: only SELECT statements (and
+EXPLAIN of one) are accepted, and DuckDB's external access is switched off
+with only the live files readable and the configuration locked, so COPY,
+ATTACH, EXPORT, INSTALL and table functions over other paths all fail.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from buffer.layout import BufferDir, BufferError, find_buffer
+from buffer.schema import LEDGER_SCHEMA, ROLLOUT_SCHEMA
+
+
+class SqlError(BufferError):
+    """A query was rejected or failed; the message is DuckDB's or ours."""
+
+
+_DUCK_TYPES = {pa.string(): "VARCHAR", pa.int32(): "INTEGER", pa.int64(): "BIGINT",
+               pa.float32(): "FLOAT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN",
+               pa.timestamp("us", tz="UTC"): "TIMESTAMPTZ"}
+
+
+def _duck_type(t: pa.DataType) -> str:
+    if pa.types.is_map(t):
+        return f"MAP({_duck_type(t.key_type)}, {_duck_type(t.item_type)})"
+    if pa.types.is_list(t):
+        return f"{_duck_type(t.value_type)}[]"
+    return _DUCK_TYPES[t]
+
+
+def _empty_select(schema: pa.Schema) -> str:
+    cols = ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {f.name}" for f in schema)
+    return f"SELECT {cols} WHERE false"
+
+
+def _files_sql(files: list[Path]) -> str:
+    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in files) + "]"
+
+
+_GROUPS_SQL = """
+WITH uses AS (
+    SELECT group_id, count(*) AS times_consumed, min(trainer_step) AS first_consumed_step,
+           min(staleness) AS min_staleness_consumed, max(staleness) AS max_staleness_consumed
+    FROM consumed GROUP BY group_id
+)
+SELECT r.group_id, any_value(r.task) AS task, any_value(r.prompt_id) AS prompt_id,
+       any_value(r.prompt) AS prompt, any_value(r.version) AS version,
+       any_value(r.generator_id) AS generator_id, min(r.created_at) AS created_at,
+       any_value(r.group_size) AS group_size, count(*) AS num_completions,
+       avg(r.reward) AS reward_mean, any_value(r.group_reward_std) AS reward_std,
+       min(r.reward) AS reward_min, max(r.reward) AS reward_max,
+       avg(CAST(r.correct AS DOUBLE)) AS accuracy, avg(r.num_tokens) AS mean_tokens,
+       sum(r.num_tokens) AS total_tokens,
+       avg(CAST(r.finish_reason = 'length' AS DOUBLE)) AS truncated_share,
+       any_value(r.filtered) AS filtered, any_value(r.filter_reason) AS filter_reason,
+       any_value(r.temperature) AS temperature,
+       coalesce(any_value(u.times_consumed), 0) AS times_consumed,
+       any_value(u.first_consumed_step) AS first_consumed_step,
+       any_value(u.max_staleness_consumed) AS max_staleness_consumed
+FROM rollouts r LEFT JOIN uses u USING (group_id)
+GROUP BY r.group_id
+"""
+
+_ALLOWED = {duckdb.StatementType.SELECT}
+
+
+def check_read_only(sql: str) -> None:
+    """Raise SqlError unless every statement in `sql` is a SELECT (or EXPLAIN of one)."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as e:
+        raise SqlError(_clean(e)) from None
+    if not statements:
+        raise SqlError("empty query")
+    for st in statements:
+        if st.type == duckdb.StatementType.EXPLAIN:
+            inner = re.sub(r"^\s*explain\s+(analyze\s+)?", "", st.query, flags=re.IGNORECASE)
+            check_read_only(inner)
+            continue
+        if st.type not in _ALLOWED:
+            kind = str(st.type).rsplit(".", 1)[-1]
+            raise SqlError(f"only SELECT queries are allowed on a buffer (got a {kind} statement: "
+                           f"{st.query.strip()[:80]!r}); the buffer is read-only from SQL")
+
+
+def _clean(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+class BufferSQL:
+    """Read-only DuckDB views over a buffer or run directory; see module doc."""
+
+    def __init__(self, path: str | os.PathLike, *, quarantine: bool = True):
+        self.buffer_root = find_buffer(path)
+        self.dir = BufferDir(self.buffer_root)
+        run = self.buffer_root.parent if self.buffer_root.name == "buffer" else None
+        self.metrics_dir = run / "metrics" if run is not None and (run / "metrics").is_dir() else None
+        self.quarantine = quarantine
+        self.skipped: dict[str, str] = {}  # unreadable files left out: name -> reason
+
+    def _files(self) -> tuple[list[Path], list[Path], list[Path]]:
+        shards = [p for p in self.dir.live_shards() if p.name not in self.skipped]
+        ledger = [p for p in self.dir.ledger_shards() if p.name not in self.skipped]
+        metrics = sorted(self.metrics_dir.glob("*.parquet")) if self.metrics_dir else []
+        metrics = [p for p in metrics if p.name not in self.skipped]
+        return shards, ledger, metrics
+
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """A fresh in-memory connection with the views over the current files, locked down."""
+        shards, ledger, metrics = self._files()
+        con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
+                                                 "autoload_known_extensions": False})
+        con.execute("SET allowed_paths = ?", [[str(p) for p in shards + ledger + metrics]])
+        rollouts = (f"SELECT * FROM read_parquet({_files_sql(shards)}, union_by_name = true)"
+                    if shards else _empty_select(ROLLOUT_SCHEMA))
+        consumed = (f"SELECT * FROM read_parquet({_files_sql(ledger)}, union_by_name = true)"
+                    if ledger else _empty_select(LEDGER_SCHEMA))
+        con.execute(f"CREATE VIEW rollouts AS {rollouts}")
+        con.execute(f"CREATE VIEW consumed AS {consumed}")
+        con.execute(f"CREATE VIEW groups AS {_GROUPS_SQL}")
+        if metrics:
+            con.execute(f"CREATE VIEW metrics AS SELECT * FROM read_parquet({_files_sql(metrics)}, "
+                        "union_by_name = true)")
+        con.execute("CREATE TABLE quarantined (file VARCHAR, reason VARCHAR, quarantined_at DOUBLE)")
+        q = self.dir.quarantined()
+        if q:
+            con.executemany("INSERT INTO quarantined VALUES (?, ?, ?)",
+                            [(r.get("file"), r.get("reason"), r.get("quarantined_at")) for r in q])
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+        return con
+
+    def query(self, sql: str) -> pa.Table:
+        """Run a read-only query on fresh views; unreadable shards are quarantined and left out."""
+        check_read_only(sql)
+        for _ in range(1000):
+            con = self.connect()
+            try:
+                rel = con.sql(sql)
+                return rel.to_arrow_table() if rel is not None else pa.table({})
+            except duckdb.Error as e:
+                if not self._handle_bad_file(e):
+                    raise SqlError(_clean(e)) from None
+            finally:
+                con.close()
+        raise SqlError("too many unreadable files")
+
+    def _handle_bad_file(self, e: duckdb.Error) -> bool:
+        """If the error is about one of our files, set it aside and return True (retry)."""
+        msg = str(e)
+        if isinstance(e, (duckdb.PermissionException,)):
+            return False
+        shards, ledger, metrics = self._files()
+        named = [p for p in shards + ledger + metrics if str(p) in msg]
+        if not named and isinstance(e, (duckdb.IOException, duckdb.InvalidInputException)):
+            named = [p for p in shards + ledger + metrics if not _readable(p)]
+            if not named and any(not p.exists() for p in shards + ledger + metrics):
+                return True  # a compacted-away file vanished: the next listing is current
+        if not named:
+            return False
+        for p in named:
+            if not p.exists():
+                continue  # compaction deleted it after its grace period; relisting drops it
+            reason = f"unreadable in SQL: {_clean(e)}"
+            moved = None
+            if self.quarantine and p.parent == self.dir.shards:
+                try:
+                    moved = self.dir.quarantine(p, reason)
+                except OSError:
+                    moved = None
+            if moved is None:
+                self.skipped[p.name] = reason
+                warnings.warn(f"left out unreadable file {p}: {reason}", stacklevel=3)
+        return True
+
+
+def _readable(p: Path) -> bool:
+    try:
+        pq.read_table(p)
+        return True
+    except FileNotFoundError:
+        return True
+    except Exception:  # noqa: BLE001
+        return False
