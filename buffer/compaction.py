@@ -122,7 +122,7 @@ def _merge(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
         with open(tmp, "wb") as f:
             for p in batch:
                 try:
-                    t = pq.read_table(p)
+                    t = pq.read_table(p, page_checksum_verification=True)
                 except Exception as e:  # noqa: BLE001
                     d.quarantine(p, f"unreadable during compaction: {type(e).__name__}: {e}")
                     raise _Abort from e

@@ -150,7 +150,7 @@ class Sampler:
             in_file = chosen[files == fidx]
             rgs = np.unique(idx.row_group.view[in_file]).tolist()
             try:
-                t = pq.ParquetFile(path).read_row_groups(rgs)
+                t = pq.ParquetFile(path, page_checksum_verification=True).read_row_groups(rgs)
             except Exception as e:  # noqa: BLE001 - FileNotFound (deleted) or corrupt data pages
                 idx.mark_unreadable(path, f"unreadable during pull: {type(e).__name__}: {e}")
                 return None

@@ -85,4 +85,5 @@ def parquet_write_options() -> dict:
     scalar columns only.
     """
     scalar = [n for n, t, _, _ in _ROLLOUT_COLUMNS if not pa.types.is_nested(t)]
-    return dict(compression="zstd", use_dictionary=STRING_COLUMNS, write_statistics=scalar)
+    return dict(compression="zstd", use_dictionary=STRING_COLUMNS, write_statistics=scalar,
+                write_page_checksum=True)

@@ -1,0 +1,47 @@
+"""Shared helpers: synthetic groups with known contents, and running the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from buffer import Completion, Group
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_group(version: int, rewards, *, prompt_id: str = "p", tokens: int = 4, seed: int = 0,
+               correct=None, task: str = "test") -> Group:
+    """A group whose token ids and log-probs are a function of (seed, sample index)."""
+    rng = np.random.default_rng(seed)
+    comps = []
+    for i, r in enumerate(rewards):
+        ids = rng.integers(0, 64, size=tokens).astype(np.int32)
+        comps.append(Completion(
+            text=f"c{i}", token_ids=ids, logprobs=-rng.random(tokens).astype(np.float32),
+            reward=float(r), reward_components={"accuracy": float(r)},
+            correct=None if correct is None else bool(correct[i])))
+    return Group(prompt_id=prompt_id, prompt="1+2=", prompt_ids=[1, 2, 3], version=version,
+                 completions=comps, task=task)
+
+
+def run_cli(*args: str, input: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
+                          input=input, timeout=timeout, env=env, cwd=REPO)
+
+
+def run_helper(*args: str, timeout: float = 120) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / args[0]), *args[1:]],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def buf(tmp_path) -> Path:
+    return tmp_path / "buffer"

@@ -1,0 +1,176 @@
+import json
+import math
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from buffer import (ROLLOUT_SCHEMA, BufferDir, BufferError, BufferSQL, Completion, Group, ShardWriter,
+                    filter_reason, group_reward_stats)
+from buffer.layout import tmp_name
+from conftest import make_group
+
+
+def test_lecture_example_advantages():
+    mean, sd, adv = group_reward_stats([1, 0, 1, 0], "population")
+    assert mean == 0.5 and sd == 0.5
+    np.testing.assert_allclose(adv, [1, -1, 1, -1], atol=1e-5)
+    mean, sd, adv = group_reward_stats([1, 0, 1, 0], "sample")
+    assert sd == pytest.approx(math.sqrt(1 / 3))
+    np.testing.assert_allclose(adv, [0.8660254, -0.8660254, 0.8660254, -0.8660254], atol=1e-5)
+    _, _, adv = group_reward_stats([1, 0, 1, 0], "none")
+    np.testing.assert_array_equal(adv, [0.5, -0.5, 0.5, -0.5])
+
+
+def test_all_equal_group_gives_zeros_not_nan():
+    for std in ("sample", "population", "none"):
+        mean, sd, adv = group_reward_stats([0.7, 0.7, 0.7], std)
+        assert (mean, sd) == (pytest.approx(0.7), 0.0)
+        assert adv.tolist() == [0.0, 0.0, 0.0]
+    _, sd, adv = group_reward_stats([1.0], "sample")  # G = 1: ddof=1 would be NaN
+    assert sd == 0.0 and adv.tolist() == [0.0]
+
+
+@pytest.mark.parametrize("rewards, correct, reason", [
+    ([1, 1, 1], [True, True, True], "all_correct"),
+    ([0, 0, 0], [False, False, False], "all_wrong"),
+    ([0.5, 0.5], [None, None], "all_equal"),
+    ([0.5, 0.5], [True, False], "all_equal"),
+    ([1, 0, 1], [True, False, True], None),
+])
+def test_filter_reason(rewards, correct, reason):
+    assert filter_reason(rewards, correct) == reason
+
+
+def test_round_trip_every_column(buf):
+    g = make_group(3, [1, 0, 1, 0], prompt_id="q7", tokens=5, seed=1, correct=[1, 0, 1, 0])
+    with ShardWriter(buf, generator_id="gen-a", flush_groups=10, flush_seconds=None) as w:
+        gid = w.append(g)
+    (shard,) = w.shards_written
+    t = pq.read_table(shard)
+    assert t.schema.remove_metadata() == ROLLOUT_SCHEMA
+    rows = t.to_pylist()
+    assert [r["traj_id"] for r in rows] == [f"{gid}-{i}" for i in range(4)]
+    assert {r["group_id"] for r in rows} == {gid} and gid == f"{w.writer_id}-00000000"
+    for r, c in zip(rows, g.completions):
+        assert r["completion_ids"] == c.token_ids.tolist()
+        assert r["behavior_logprobs"] == c.logprobs.tolist()  # float32 exactly
+        assert r["num_tokens"] == 5 and r["reward"] == c.reward
+        assert dict(r["reward_components"]) == {"accuracy": c.reward}
+    r0 = rows[0]
+    assert r0["version"] == 3 and r0["group_size"] == 4 and r0["prompt_ids"] == [1, 2, 3]
+    assert r0["generator_id"] == "gen-a" and r0["writer_id"] == w.writer_id
+    assert r0["group_reward_mean"] == 0.5 and r0["filtered"] is False and r0["filter_reason"] is None
+    assert [r["advantage"] for r in rows] == pytest.approx([0.8660254, -0.8660254] * 2, abs=1e-5)
+    assert [r["correct"] for r in rows] == [True, False, True, False]
+
+
+def test_flush_every_n_groups_and_on_close(buf):
+    w = ShardWriter(buf, flush_groups=4, flush_seconds=None)
+    for i in range(10):
+        w.append(make_group(0, [1, 0], prompt_id=f"p{i}"))
+    assert len(w.shards_written) == 2 and w.pending_groups == 2
+    w.close()
+    assert [pq.read_metadata(p).num_rows for p in w.shards_written] == [8, 8, 4]
+    assert [p.name for p in w.shards_written] == [f"{w.writer_id}-00000{i}.parquet" for i in range(3)]
+
+
+def test_flush_after_t_seconds(buf):
+    w = ShardWriter(buf, flush_groups=100, flush_seconds=0.2)
+    w.append(make_group(0, [1, 0]))
+    assert w.flush_if_due() is None and not w.shards_written
+    time.sleep(0.25)
+    assert w.flush_if_due() is not None
+    w.append(make_group(0, [1, 0]))
+    time.sleep(0.25)
+    w.append(make_group(0, [1, 0]))  # the append itself notices the oldest group is due
+    assert len(w.shards_written) == 2 and w.pending_groups == 0
+
+
+def test_parquet_settings(buf):
+    with ShardWriter(buf, flush_seconds=None) as w:
+        w.append(make_group(0, [1, 0, 1], tokens=64))
+    meta = pq.read_metadata(w.shards_written[0])
+    rg = meta.row_group(0)
+    cols = {rg.column(i).path_in_schema: rg.column(i) for i in range(rg.num_columns)}
+    assert all(c.compression == "ZSTD" for c in cols.values())
+    dict_enc = {"PLAIN_DICTIONARY", "RLE_DICTIONARY"}
+    for name in ("completion_ids.list.element", "behavior_logprobs.list.element", "prompt_ids.list.element"):
+        assert not dict_enc & set(cols[name].encodings), name
+        assert not cols[name].is_stats_set, name
+    assert dict_enc & set(cols["prompt"].encodings)
+    assert cols["version"].is_stats_set and cols["version"].statistics.max == 0
+    assert meta.metadata[b"asyncgrpo.groups"] == b"1"
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda g: g.completions.clear(), "no completions"),
+    (lambda g: setattr(g, "version", -1), "version must be an integer >= 0, got -1"),
+    (lambda g: setattr(g.completions[1], "reward", float("nan")), "completion 1: reward must be a finite number, got nan"),
+    (lambda g: setattr(g.completions[0], "reward", "1"), "reward must be a finite number, got '1'"),
+    (lambda g: setattr(g.completions[0], "logprobs", [0.0]), "4 token_ids but 1 logprobs"),
+    (lambda g: setattr(g.completions[0], "finish_reason", "eos"), "finish_reason must be one of"),
+])
+def test_bad_groups_are_rejected_and_nothing_is_written(buf, mutate, message):
+    w = ShardWriter(buf, flush_groups=1, flush_seconds=None)
+    g = make_group(0, [1, 0, 1], prompt_id="bad")
+    mutate(g)
+    with pytest.raises(BufferError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        w.append(g)
+    assert "prompt_id='bad'" in str(e.value)
+    w.close()
+    assert os.listdir(BufferDir(buf).shards) == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"flush_groups": 0}, "flush_groups must be >= 1, got 0"),
+    ({"flush_seconds": 0}, "flush_seconds must be > 0 or None, got 0"),
+])
+def test_bad_writer_settings(buf, kwargs, message):
+    with pytest.raises(BufferError, match=message):
+        ShardWriter(buf, **kwargs)
+
+
+def _allocate(root, n, q):
+    q.put([BufferDir(root).allocate_writer_id(f"g{os.getpid()}") for _ in range(n)])
+
+
+def test_writer_ids_unique_across_processes(buf):
+    BufferDir(buf, create=True)
+    q = mp.get_context("spawn").Queue()
+    procs = [mp.get_context("spawn").Process(target=_allocate, args=(str(buf), 10, q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    ids = sum((q.get(timeout=60) for _ in procs), [])
+    for p in procs:
+        p.join()
+    assert len(ids) == 40 and len(set(ids)) == 40
+    assert sorted(ids) == [f"w{i:06d}" for i in range(40)]
+    info = json.loads((buf / "writers" / "w000000.json").read_text())
+    assert set(info) >= {"writer_id", "generator_id", "host", "pid"}
+
+
+def test_tmp_files_of_dead_writers_are_cleaned_on_open(buf):
+    d = BufferDir(buf, create=True)
+    dead = d.tmp / "x%999999999%abcd%w000000-000000.parquet.tmp".replace("x", os.uname().nodename)
+    dead.write_bytes(b"half a shard")
+    mine = d.tmp / tmp_name("w000001-000000.parquet")
+    mine.write_bytes(b"in flight")
+    ShardWriter(buf)
+    assert not dead.exists() and mine.exists()
+    assert BufferSQL(buf).query("SELECT count(*) AS n FROM rollouts").to_pylist() == [{"n": 0}]
+
+
+def test_unknown_reward_types_and_numpy_inputs(buf):
+    g = Group(prompt_id="np", prompt="x", prompt_ids=np.array([1, 2], np.int64), version=np.int64(2),
+              completions=[Completion("a", np.array([1, 2], np.int64), np.array([-0.5, -0.25]), np.float32(1.0)),
+                           Completion("b", [3], [-1.0], 0, finish_reason="length")])
+    with ShardWriter(buf, flush_seconds=None) as w:
+        w.append(g)
+    rows = pq.read_table(w.shards_written[0]).to_pylist()
+    assert [r["completion_ids"] for r in rows] == [[1, 2], [3]]
+    assert [r["finish_reason"] for r in rows] == ["stop", "length"]
+    assert rows[0]["behavior_logprobs"] == [-0.5, -0.25] and rows[0]["version"] == 2
