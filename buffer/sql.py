@@ -153,15 +153,17 @@ class BufferSQL:
         """Run a read-only query on fresh views; unreadable shards are quarantined and left out."""
         check_read_only(sql)
         for _ in range(1000):
-            con = self.connect()
+            con = None
             try:
+                con = self.connect()  # binding the views reads every footer
                 rel = con.sql(sql)
                 return rel.to_arrow_table() if rel is not None else pa.table({})
             except duckdb.Error as e:
                 if not self._handle_bad_file(e):
                     raise SqlError(_clean(e)) from None
             finally:
-                con.close()
+                if con is not None:
+                    con.close()
         raise SqlError("too many unreadable files")
 
     def _handle_bad_file(self, e: duckdb.Error) -> bool:
