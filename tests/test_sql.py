@@ -43,7 +43,7 @@ def test_views(filled):
     # oldest-first: version 0 before 1, so p2 and p4 (p0 is filtered)
     assert [r["times_consumed"] for r in g] == [0, 0, 1, 0, 1]
     assert g[1]["reward_mean"] == 0.25
-    assert db.query("SELECT CAST(sum(staleness) AS BIGINT) AS s, count(*) AS n FROM consumed").to_pylist() == [{"s": 1, "n": 2}]
+    assert db.query("SELECT CAST(sum(staleness) AS BIGINT) AS s, count(*) AS n FROM consumed").to_pylist() == [{"s": 2, "n": 2}]
     assert db.query("SELECT loss FROM metrics").to_pylist() == [{"loss": 0.5}]
 
 
