@@ -182,8 +182,7 @@ def test_pull_matches_reference_model(tmp_path_factory, history):
                 gid = writer.append(make_group(v, rewards, prompt_id=f"p{len(model)}"))
                 model[gid] = dict(version=v, filtered=all_same, consumed=False, order=len(model))
                 pending.append(gid)
-            if writer.pending_groups == 0:
-                pending = []
+                pending = pending[len(pending) - writer.pending_groups:]  # the rest was flushed
         elif op[0] == "pull":
             _, n, limit = op
             visible = {g: m for g, m in model.items() if g not in pending}
