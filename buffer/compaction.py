@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from buffer.layout import BufferDir, tmp_name
+from buffer.layout import BufferDir, atomic_file
 from buffer.schema import parquet_write_options
 
 
@@ -115,16 +115,17 @@ def _group_count(meta: pq.FileMetaData) -> int:
 
 def _merge(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
     """Write the shards in `batch` as one file (temp + rename); its group count, or None."""
-    tmp = d.tmp / tmp_name(out_name)
     groups = 0
     writer = None
     try:
-        with open(tmp, "wb") as f:
+        with atomic_file(d.tmp, d.shards / out_name) as f:
             for p in batch:
                 try:
                     t = pq.read_table(p, page_checksum_verification=True)
                 except Exception as e:  # noqa: BLE001
                     d.quarantine(p, f"unreadable during compaction: {type(e).__name__}: {e}")
+                    if writer is not None:
+                        writer.close()
                     raise _Abort from e
                 if writer is None:
                     writer = pq.ParquetWriter(f, t.schema.remove_metadata(), **parquet_write_options())
@@ -132,15 +133,8 @@ def _merge(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
                 groups += len(set(t.column("group_id").to_pylist()))
             writer.add_key_value_metadata({"asyncgrpo.groups": str(groups)})
             writer.close()
-            writer = None
-            f.flush()
-            os.fsync(f.fileno())
-    except _Abort:
-        if writer is not None:
-            writer.close()
-        tmp.unlink(missing_ok=True)
+    except _Abort:  # atomic_file removed the temp file; nothing became visible
         return None
-    os.replace(tmp, d.shards / out_name)
     return groups
 
 

@@ -129,6 +129,10 @@ class GroupIndex:
             self._ledger_seen.add(p.name)
             self.add_uses(pq.read_table(p, columns=["group_id"]).column(0).to_pylist())
 
+    def mark_ledger_seen(self, name: str) -> None:
+        """A ledger shard whose uses the caller has already counted (the sampler's own)."""
+        self._ledger_seen.add(name)
+
     def add_uses(self, group_ids: list[str]) -> None:
         for gid in group_ids:
             idx = self.id_to_idx.get(gid)

@@ -27,8 +27,11 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from filelock import FileLock
 
@@ -40,14 +43,30 @@ class BufferError(Exception):
     """A problem with a buffer a user can act on; the message says what and where."""
 
 
+@contextmanager
+def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[BinaryIO]:
+    """A binary file that appears at `final` only when the block succeeds.
+
+    Written under a temp name in `tmp_dir`, fsynced, then renamed; if the block
+    raises, the temp file is removed and `final` is untouched.
+    """
+    tmp = tmp_dir / tmp_name(final.name)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_bytes(tmp_dir: Path, final: Path, data: bytes) -> None:
     """Write `data` to `final` through a temp file in `tmp_dir` and an atomic rename."""
-    tmp = tmp_dir / tmp_name(final.name)
-    with open(tmp, "wb") as f:
+    with atomic_file(tmp_dir, final) as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
 
 
 def tmp_name(final_name: str) -> str:

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from filelock import FileLock, Timeout
 
 from buffer.index import ELIGIBLE, GroupIndex, ledger_step
-from buffer.layout import BufferDir, BufferError, tmp_name
+from buffer.layout import BufferDir, BufferError, atomic_file
 from buffer.schema import LEDGER_SCHEMA, staleness
 
 Order = Literal["oldest", "newest", "uniform"]
@@ -182,11 +182,7 @@ class Sampler:
             "consumed_at": pa.array(np.full(n, now_us, np.int64)).cast(pa.timestamp("us", tz="UTC")),
         }, schema=LEDGER_SCHEMA)
         final = self.dir.ledger / f"step-{trainer_step:09d}-{seq:04d}.parquet"
-        tmp = self.dir.tmp / tmp_name(final.name)
-        with open(tmp, "wb") as f:
+        with atomic_file(self.dir.tmp, final) as f:
             pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        self.index._ledger_seen.add(final.name)
+        self.index.mark_ledger_seen(final.name)
         return final

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from buffer.layout import BufferDir, BufferError, tmp_name
+from buffer.layout import BufferDir, BufferError, atomic_file
 from buffer.schema import ROLLOUT_SCHEMA, FilterReason, parquet_write_options
 
 StdMode = Literal["sample", "population", "none"]
@@ -166,13 +166,8 @@ class ShardWriter:
             return None
         table = self._build_table(self._pending)
         final = self.dir.shards / f"{self.writer_id}-{self._seq:06d}.parquet"
-        tmp = self.dir.tmp / tmp_name(final.name)
-        with open(tmp, "wb") as f:
+        with atomic_file(self.dir.tmp, final, fsync=self.fsync) as f:
             pq.write_table(table, f, **parquet_write_options())
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
         self._seq += 1
         self._pending, self._oldest_pending = [], None
         self.shards_written.append(final)

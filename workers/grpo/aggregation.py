@@ -27,18 +27,14 @@ from typing import Literal
 
 import torch
 
+from workers.grpo.registry import registrar
+
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Aggregator = Callable[[torch.Tensor, torch.Tensor, "float | torch.Tensor"], torch.Tensor]
 AGGREGATORS: dict[str, Aggregator] = {}
 
 
-def _register(name: str) -> Callable[[Aggregator], Aggregator]:
-    def add(fn: Aggregator) -> Aggregator:
-        if name in AGGREGATORS:
-            raise ValueError(f"loss aggregation mode {name!r} is registered twice")
-        AGGREGATORS[name] = fn
-        return fn
-    return add
+_register = registrar(AGGREGATORS, "loss aggregation mode")
 
 
 def _sum_over(values: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor) -> torch.Tensor:

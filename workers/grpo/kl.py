@@ -19,18 +19,14 @@ from typing import Literal
 
 import torch
 
+from workers.grpo.registry import registrar
+
 KLEstimator = Literal["k1", "k2", "k3"]
 Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: dict[str, Estimator] = {}
 
 
-def _register(name: str) -> Callable[[Estimator], Estimator]:
-    def add(fn: Estimator) -> Estimator:
-        if name in KL_ESTIMATORS:
-            raise ValueError(f"KL estimator {name!r} is registered twice")
-        KL_ESTIMATORS[name] = fn
-        return fn
-    return add
+_register = registrar(KL_ESTIMATORS, "KL estimator")
 
 
 @_register("k1")
