@@ -20,16 +20,26 @@ class UserError(click.ClickException):
         click.echo(f"asyncgrpo: error: {self.format_message()}", err=True)
 
 
+def _user_error_types() -> tuple[type[Exception], ...]:
+    """Errors that mean bad input (a path, a config value, a file), not a bug. Light imports only."""
+    from buffer.layout import BufferError
+    from pipeline.run import RunError
+    from workers.checks import ConfigError
+    from workers.model import ModelError
+    from workers.tasks import TaskError
+
+    return BufferError, ConfigError, ModelError, RunError, TaskError
+
+
 def _user_errors(fn):
     """Turn the library's user-facing errors into UserError."""
     import functools
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from buffer.layout import BufferError
         try:
             return fn(*args, **kwargs)
-        except BufferError as e:
+        except _user_error_types() as e:
             raise UserError(str(e)) from None
     return wrapper
 
@@ -209,6 +219,8 @@ def demo(run_dir: str, groups: int, group_size: int, groups_per_step: int, max_s
     run_demo(run_dir, groups=groups, group_size=group_size, groups_per_step=groups_per_step,
              max_staleness=max_staleness, seed=seed, force=force)
 
+
+from pipeline import commands  # noqa: E402,F401  (registers the pipeline's commands on `main`)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,186 @@
+"""The run configuration: the components' own dataclasses composed into one, read from TOML.
+
+A config file holds only overrides of the typed defaults (`configs/default.toml`
+is nearly empty on purpose); `--set section.key=value` lays more on top; the
+fully resolved config is saved as `<run>/config.toml`, so a run can always be
+reproduced and resumed. Every field is documented once, under its field, in
+its component's dataclass; `asyncgrpo config --explain` prints them all.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from pipeline.schema import build, merge, set_path, to_dict
+from workers.checks import ConfigError, is_int, is_num, require
+from workers.generator import GeneratorConfig
+from workers.rewards import RewardConfig
+from workers.tasks import TaskConfig
+from workers.trainer import TrainerConfig
+from workers.warmstart import WarmstartConfig
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which policy to start from."""
+
+    path: str | None = None
+    """A local HF model folder (config.json, *.safetensors, tokenizer). Omitted: the embedded
+    tiny Qwen2 model, built and warm-started on the task locally and cached (no downloads)."""
+    cache_dir: str = "runs/.cache"
+    """Where the embedded model is built and warm-started once, keyed by its settings."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights' dtype for generation (the trainer has its own `trainer.dtype`)."""
+    device: str = "cpu"
+    """Torch device of the generators ("cpu", "cuda", "cuda:1")."""
+
+    def __post_init__(self) -> None:
+        require(self, "path", self.path is None or bool(self.path.strip()), "a folder path or omitted")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole run: how many generators, how long, and supervision."""
+
+    seed: int = 0
+    """Seed of the run: generators use seed + their index, the trainer the seed itself."""
+    num_generators: int = 1
+    """Generator processes started beside the one trainer (one per 2-core machine share)."""
+    time_limit_s: float | None = 330.0
+    """Stop the run after this many seconds of training (None: only trainer.max_steps stops it)."""
+    eval_size: int | None = 200
+    """Held-out prompts for the greedy accuracy before and after (None: the whole eval split)."""
+    eval_max_new_tokens: int = 8
+    """Completion budget of the greedy evaluation."""
+    restart_backoff_s: float = 1.0
+    """First wait before restarting a crashed generator; doubles on each crash, up to 30 s."""
+    max_generator_restarts: int | None = 10
+    """Give up (stop the run) after this many generator crashes (None: never give up)."""
+    pin_cores: bool = False
+    """Pin the trainer to core 0 and generators to the other cores (emulates separate hardware)."""
+
+    def __post_init__(self) -> None:
+        require(self, "seed", is_int(self.seed, 0), "an integer >= 0")
+        require(self, "num_generators", is_int(self.num_generators, 1), "an integer >= 1")
+        require(self, "time_limit_s", self.time_limit_s is None or is_num(self.time_limit_s, 0, lo_open=True),
+                "a number of seconds > 0, or omitted (no limit)")
+        require(self, "eval_size", self.eval_size is None or is_int(self.eval_size, 1),
+                "an integer >= 1, or omitted (whole eval split)")
+        require(self, "eval_max_new_tokens", is_int(self.eval_max_new_tokens, 1), "an integer >= 1")
+        require(self, "restart_backoff_s", is_num(self.restart_backoff_s, 0, lo_open=True), "a number > 0")
+        require(self, "max_generator_restarts",
+                self.max_generator_restarts is None or is_int(self.max_generator_restarts, 0),
+                "an integer >= 0, or omitted (unlimited)")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run needs; the sections of the TOML file."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def parse_override(item: str) -> tuple[str, object]:
+    """'trainer.lr=1e-5' -> ('trainer.lr', 1e-05); the value is read as TOML, else as a string
+    (so `--set task.path=data/x.jsonl` needs no quotes; `none` turns an optional setting off)."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. --set trainer.lr=1e-5")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def read_toml(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text: {e}") from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config from TOML file `path` (None: the defaults) with `--set` overrides on top."""
+    data = read_toml(path) if path is not None else {}
+    where = f"config file {str(path)!r}" if path is not None else "config"
+    for item in overrides:
+        key, value = parse_override(item)
+        data = set_path(data, key, value)
+        where = f"{where} with --set"
+    try:
+        cfg = build(Config, data)
+        check_consistency(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return cfg
+
+
+def check_consistency(cfg: Config) -> None:
+    """Rules that span sections."""
+    loss = cfg.trainer.loss
+    if loss.loss_agg_mode == "seq-mean-token-sum-norm" and loss.max_completion_length is not None \
+            and loss.max_completion_length < cfg.generator.sampling.max_new_tokens:
+        raise ConfigError(f"trainer.loss.max_completion_length ({loss.max_completion_length}) must be at "
+                          f"least generator.sampling.max_new_tokens ({cfg.generator.sampling.max_new_tokens})")
+    if cfg.generator.backend == "vllm" and cfg.model.path is None:
+        raise ConfigError("generator.backend = 'vllm' needs model.path (a local HF model folder); the "
+                          "embedded tiny model runs with the 'hf' backend")
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as TOML (temp file, then rename)."""
+    import tomli_w
+
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text("# Resolved configuration of this run (written by asyncgrpo).\n"
+                   + tomli_w.dumps(to_dict(cfg)))
+    os.replace(tmp, p)
+
+
+def load_run_config(run_dir: str | os.PathLike) -> Config:
+    """The resolved config saved in a run directory."""
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.toml); start one with "
+                          f"`asyncgrpo run --run {run_dir}`")
+    return load_config(path)
+
+
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """`cfg` with `--set` overrides laid on it."""
+    data = to_dict(cfg)
+    for item in overrides:
+        key, value = parse_override(item)
+        data = set_path(data, key, value)
+    try:
+        out = build(Config, data)
+        check_consistency(out)
+    except ConfigError as e:
+        raise ConfigError(f"--set: {e}") from None
+    return out
+
+
+__all__ = ["Config", "ConfigError", "ModelConfig", "RunConfig", "load_config", "load_run_config",
+           "merge", "parse_override", "replace", "save_config", "with_overrides"]
