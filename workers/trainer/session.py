@@ -1,0 +1,216 @@
+"""Opening a trainer session: model, optimizer, and the run directory rolled back to the checkpoint.
+
+Fresh run (no checkpoint): the policy is `model_folder`, step = version = 0,
+and v0 is published from it unless it is already there. Resume: the newest
+checkpoint's model, optimizer, KL controller and RNG states, and the run's
+files rolled back to its step k:
+
+    ledger      Sampler(as_of_step=k) moves records of steps > k to ledger/abandoned/
+    weights     versions > k move to weights/abandoned/; LATEST names version k
+    metrics     rows of steps > k are deleted
+    checkpoints none after k exist (k is the newest)
+
+so the steps after k are taken again, on the groups they would have taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from workers.trainer.checkpoint import clean_tmp, list_checkpoints, load_checkpoint, remove_after, set_rng_state
+from workers.trainer.config import TrainerConfig
+from workers.trainer.control import KLController
+from workers.trainer.distributed import Dist
+from workers.trainer.metrics import MetricsWriter
+
+log = logging.getLogger("asyncgrpo.trainer")
+
+
+class TrainerError(Exception):
+    """A run directory the trainer cannot work with; the message says what to do."""
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGINT: finish (or abandon, while waiting) the step, checkpoint, exit 0.
+
+    A second signal restores the previous handlers and re-raises itself (default behaviour).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        self.requested = True
+        log.info("got %s: finishing this step, then checkpointing and exiting", signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+@dataclass
+class Session:
+    """Everything the loop works with."""
+
+    run: Path
+    cfg: TrainerConfig
+    dist: Dist
+    device: torch.device
+    model: torch.nn.Module
+    ref_model: torch.nn.Module | None
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    kl: KLController
+    step: int
+    version: int
+    offline: bool
+    offline_offset: int
+    """Offline, groups come from other policies whose versions mean nothing to this one: the
+    sampler is asked as if at version + offset (offset = the newest group version), so no
+    group is 'future'; the ledger's trainer_version column carries that shifted number."""
+    stop: StopFlag
+    pad_id: int
+    sampler: object = None              # rank 0 only, from here on
+    weights: object = None
+    metrics: MetricsWriter | None = None
+    last_checkpoint: int = 0
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run / "checkpoints"
+
+    @property
+    def pull_version(self) -> int:
+        return self.version + self.offline_offset
+
+
+def _device(cfg: TrainerConfig, dist: Dist) -> torch.device:
+    if cfg.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise TrainerError(f"trainer.device is {cfg.device!r} but torch sees no CUDA device; set it to 'cpu'")
+        return torch.device(f"cuda:{dist.local_rank}" if dist.enabled else cfg.device)
+    return torch.device("cpu")
+
+
+def _prepare(model: torch.nn.Module, cfg: TrainerConfig) -> None:
+    """Training mode with dropout off (as TRL and verl do for RL), no KV cache, optional checkpointing."""
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool, offline: bool, dist: Dist,
+                 stop: StopFlag) -> Session:
+    from transformers.utils import logging as hf_logging
+
+    from workers.model import load_model, load_tokenizer
+
+    hf_logging.disable_progress_bar()
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    device = _device(cfg, dist)
+    run.mkdir(parents=True, exist_ok=True)
+    checkpoints = list_checkpoints(run / "checkpoints")
+    if checkpoints and not resume:
+        raise TrainerError(f"run {str(run)!r} has checkpoints (newest: step {checkpoints[-1][0]}); pass "
+                           "--resume to continue it, or start a new run directory")
+    state = load_checkpoint(checkpoints[-1][1]) if resume and checkpoints else None
+    if resume and state is None:
+        log.info("no checkpoint in %s: starting from %s", run / "checkpoints", model_folder)
+
+    model = load_model(model_folder, dtype="float32", device=str(device))
+    if state is not None:
+        model.load_state_dict(state["model"])
+    _prepare(model, cfg)
+    ref_model = None
+    if cfg.loss.beta > 0:
+        ref_model = load_model(model_folder, dtype="float32", device=str(device)).eval()
+        ref_model.requires_grad_(False)
+    tokenizer = load_tokenizer(model_folder)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                  weight_decay=cfg.weight_decay)
+    kl = KLController.from_config(cfg)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        kl.load_state_dict(state["kl"])
+        set_rng_state(state["rng"])
+    else:
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+    step = int(state["step"]) if state is not None else 0
+    version = int(state["version"]) if state is not None else 0
+    s = Session(run=run, cfg=cfg, dist=dist, device=device, model=model, ref_model=ref_model, tokenizer=tokenizer,
+                optimizer=optimizer, kl=kl, step=step, version=version, offline=offline, offline_offset=0,
+                stop=stop, pad_id=pad_id, last_checkpoint=step)
+    if dist.is_main:
+        try:
+            _open_files(s, model_folder, state)
+        except BaseException:
+            if s.sampler is not None:
+                s.sampler.close()
+            raise
+    s.offline_offset = dist.broadcast(s.offline_offset)
+    dist.barrier()
+    return s
+
+
+def _open_files(s: Session, model_folder: Path, state: dict | None) -> None:
+    """Rank 0: the buffer's sampler, the weights, metrics and checkpoints, rolled back to s.step."""
+    from buffer import BufferDir, Sampler
+    from workers.weights import WeightStore
+
+    buffer_root = s.run / "buffer"
+    if s.offline and not BufferDir.is_buffer(buffer_root):
+        raise TrainerError(f"offline training needs a buffer, and {str(buffer_root)!r} is none; "
+                           "generate into the run first, or copy a buffer there")
+    BufferDir(buffer_root, create=True)
+    s.sampler = Sampler(buffer_root, as_of_step=s.step, reuse=s.cfg.reuse, order=s.cfg.order, seed=s.cfg.seed)
+    if s.offline:
+        saved = (state or {}).get("extra", {}).get("offline_offset")
+        versions = s.sampler.index.version.view
+        s.offline_offset = int(saved) if saved is not None else int(versions.max(initial=0))
+
+    s.weights = WeightStore(s.run / "weights", source=model_folder)
+    s.weights.clean_tmp()
+    undone = s.weights.abandon_after(s.version)
+    if undone:
+        log.info("moved weights of undone versions %s to %s", undone, s.weights.abandoned)
+    if not s.weights.folder(s.version).exists():
+        s.weights.publish(s.model, s.tokenizer, s.version, info={"step": s.step})
+    elif s.weights.latest() != s.version:
+        s.weights.set_latest(s.version)
+
+    s.metrics = MetricsWriter(s.run / "metrics", s.cfg.metrics_flush_seconds)
+    dropped = s.metrics.truncate_after(s.step)
+    if dropped:
+        log.info("dropped %d metrics rows of steps after %d", dropped, s.step)
+    remove_after(s.ckpt_dir, s.step)
+    clean_tmp(s.ckpt_dir)
+    log.info("trainer at step %d, version %d (%s, %s); buffer %s", s.step, s.version,
+             "resumed" if state is not None else "fresh", "offline" if s.offline else "online", buffer_root)
