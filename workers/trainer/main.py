@@ -1,7 +1,7 @@
 """Command line of the trainer alone (the pipeline's `asyncgrpo train` is the usual way in).
 
     python -m workers.trainer.main --run RUN --model-folder MODEL [--resume] [--offline] [--config CFG]
-    torchrun --nproc_per_node 2 -m workers.trainer.main --run RUN --model-folder MODEL --config CFG
+    torchrun --standalone --nproc_per_node 2 -m workers.trainer.main --run-dir RUN --model-folder MODEL --config CFG
 
 CFG: TrainerConfig fields as a JSON object ('{"lr": 1e-4, "loss": {"beta": 0.05}}'), or a
 .json / .toml file of them; a file with a [trainer] table (such as <run>/config.toml) uses
@@ -37,7 +37,9 @@ def _read_config(text: str | None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workers.trainer.main", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", required=True, help="Run directory (buffer/, weights/, metrics/, checkpoints/).")
+    # --run-dir: under torchrun, whose parser takes "--run" for a prefix of its own --run-path.
+    p.add_argument("--run", "--run-dir", dest="run", required=True,
+                   help="Run directory (buffer/, weights/, metrics/, checkpoints/).")
     p.add_argument("--model-folder", required=True, help="The run's initial model (HF folder).")
     p.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint.")
     p.add_argument("--offline", action="store_true", help="Train on the buffer as it is; stop when nothing is left.")
