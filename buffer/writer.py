@@ -9,6 +9,7 @@ groups not yet flushed.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -26,6 +27,10 @@ from buffer.schema import ROLLOUT_SCHEMA, FilterReason, parquet_write_options
 
 StdMode = Literal["sample", "population", "none"]
 FINISH_REASONS = ("stop", "length")
+# Columns with one value per group, repeated on each of its completions' rows.
+_PER_GROUP = ["group_id", "group_size", "prompt_id", "task", "prompt", "prompt_ids", "group_reward_mean",
+              "group_reward_std", "filtered", "filter_reason", "version", "created_at", "temperature", "top_p",
+              "top_k"]
 
 
 @dataclass
@@ -87,29 +92,91 @@ def filter_reason(rewards: Sequence[float], correct: Sequence[bool | None]) -> F
     return "all_equal"
 
 
+_REWARD_TYPES = (float, int, np.floating, np.integer)
+
+
 def _check_group(g: Group) -> None:
-    where = f"group for prompt_id={g.prompt_id!r}"
+    where = lambda: f"group for prompt_id={g.prompt_id!r}"  # noqa: E731  (built only on error)
     if not g.completions:
-        raise BufferError(f"{where}: no completions")
+        raise BufferError(f"{where()}: no completions")
     if not isinstance(g.version, (int, np.integer)) or g.version < 0:
-        raise BufferError(f"{where}: version must be an integer >= 0, got {g.version!r}")
+        raise BufferError(f"{where()}: version must be an integer >= 0, got {g.version!r}")
     for i, c in enumerate(g.completions):
         if len(c.token_ids) != len(c.logprobs):
-            raise BufferError(f"{where}, completion {i}: {len(c.token_ids)} token_ids but "
+            raise BufferError(f"{where()}, completion {i}: {len(c.token_ids)} token_ids but "
                               f"{len(c.logprobs)} logprobs; they must match one to one")
-        if not isinstance(c.reward, (int, float, np.floating, np.integer)) or not math.isfinite(c.reward):
-            raise BufferError(f"{where}, completion {i}: reward must be a finite number, got {c.reward!r}")
+        if not isinstance(c.reward, _REWARD_TYPES) or not math.isfinite(c.reward):
+            raise BufferError(f"{where()}, completion {i}: reward must be a finite number, got {c.reward!r}")
         if c.finish_reason not in FINISH_REASONS:
-            raise BufferError(f"{where}, completion {i}: finish_reason must be one of "
+            raise BufferError(f"{where()}, completion {i}: finish_reason must be one of "
                               f"{FINISH_REASONS}, got {c.finish_reason!r}")
 
 
-def _list_array(chunks: list[np.ndarray], value_type: pa.DataType, np_type) -> pa.ListArray:
-    lengths = np.fromiter((len(c) for c in chunks), dtype=np.int32, count=len(chunks))
+def _list_array(chunks: list, value_type: pa.DataType, np_type) -> pa.ListArray:
+    """One list column from R chunks (numpy arrays or sequences), in one pass over them.
+
+    Numpy chunks go through Arrow's converter (a C++ loop; values cast like
+    numpy's astype, out-of-range integers rejected); Python lists are read
+    with one np.fromiter over all of them.
+    """
+    if set(map(type, chunks)) <= {np.ndarray}:
+        return pa.array(chunks, type=pa.list_(value_type))
+    lengths = np.fromiter(map(len, chunks), dtype=np.int32, count=len(chunks))
     offsets = np.zeros(len(chunks) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate(chunks).astype(np_type, copy=False) if chunks else np.zeros(0, np_type)
+    values = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np_type, count=int(offsets[-1]))
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
+
+
+def _flush_stats(rewards: np.ndarray, sizes: np.ndarray, std: StdMode,
+                 eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`group_reward_stats` of P groups at once: rewards (R,) in group order, sizes (P,).
+
+    Returns mean (P,), std (P,), advantage (R,) float32 and all_equal (P,) bool,
+    bit for bit what `group_reward_stats` gives group by group (the same numpy
+    reductions, row-wise over the groups of each size).
+    """
+    n_groups = len(sizes)
+    if sizes.min() == sizes.max():       # the usual case: one G for the whole flush
+        buckets = [(slice(None), np.arange(len(rewards)).reshape(n_groups, int(sizes[0])))]
+    else:
+        starts = np.cumsum(sizes) - sizes
+        buckets = []
+        for size in np.unique(sizes).tolist():
+            gi = np.flatnonzero(sizes == size)
+            buckets.append((gi, starts[gi][:, None] + np.arange(size)))
+    mean, sd = np.zeros(n_groups), np.zeros(n_groups)
+    adv = np.zeros(len(rewards), dtype=np.float32)
+    equal = np.ones(n_groups, dtype=bool)
+    for gi, rows in buckets:                                  # rows: (k, size) row numbers
+        r = rewards[rows]
+        mean[gi] = m = r.mean(axis=1)
+        equal[gi] = eq = r.max(axis=1) == r.min(axis=1)
+        if eq.all():
+            continue
+        keep = ~eq
+        rows, r, m = rows[keep], r[keep], m[keep]
+        s = r.std(axis=1, ddof=1 if std == "sample" else 0)
+        sd[np.arange(n_groups)[gi][keep]] = s
+        denom = np.ones_like(s) if std == "none" else s + eps
+        adv[rows] = ((r - m[:, None]) / denom[:, None]).astype(np.float32)
+    return mean, sd, adv, equal
+
+
+def _equal_reason(correct: list[bool | None]) -> FilterReason:
+    """`filter_reason` of a group already known to have all rewards equal."""
+    if all(c is True for c in correct):
+        return "all_correct"
+    if all(c is False for c in correct):
+        return "all_wrong"
+    return "all_equal"
+
+
+def _const_strings(value: str, n: int) -> pa.StringArray:
+    """`n` copies of one string, built from buffers."""
+    data = value.encode()
+    offsets = np.arange(n + 1, dtype=np.int32) * len(data)
+    return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data * n))
 
 
 class ShardWriter:
@@ -183,55 +250,68 @@ class ShardWriter:
         self.close()
 
     def _build_table(self, pending: list[tuple[Group, str, float]]) -> pa.Table:
-        cols: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
-        prompt_ids, completion_ids, logprobs = [], [], []
-        comp_keys, comp_vals, comp_lens = [], [], []
-        for g, group_id, created in pending:
-            rewards = [c.reward for c in g.completions]
-            mean, sd, adv = group_reward_stats(rewards, self.advantage_std, self.eps)
-            reason = filter_reason(rewards, [c.correct for c in g.completions])
-            pids = np.asarray(g.prompt_ids, dtype=np.int32)
-            n = len(g.completions)
-            created_us = int(created * 1e6)
-            for i, c in enumerate(g.completions):
-                ids = np.asarray(c.token_ids, dtype=np.int32)
-                cols["traj_id"].append(f"{group_id}-{i}")
-                cols["sample_index"].append(i)
-                cols["completion"].append(c.text)
-                cols["num_tokens"].append(len(ids))
-                cols["finish_reason"].append(c.finish_reason)
-                cols["reward"].append(float(c.reward))
-                cols["reward_error"].append(c.reward_error)
-                cols["correct"].append(c.correct)
-                completion_ids.append(ids)
-                logprobs.append(np.asarray(c.logprobs, dtype=np.float32))
-                prompt_ids.append(pids)
-                comp_keys.extend(c.reward_components.keys())
-                comp_vals.extend(float(v) for v in c.reward_components.values())
-                comp_lens.append(len(c.reward_components))
-            cols["advantage"].extend(adv.tolist())
-            for name, value in (("group_id", group_id), ("group_size", n), ("prompt_id", g.prompt_id),
-                                ("task", g.task), ("prompt", g.prompt), ("group_reward_mean", mean),
-                                ("group_reward_std", sd), ("filtered", reason is not None),
-                                ("filter_reason", reason), ("version", int(g.version)),
-                                ("generator_id", self.generator_id), ("writer_id", self.writer_id),
-                                ("created_at", created_us), ("temperature", g.temperature),
-                                ("top_p", g.top_p), ("top_k", g.top_k)):
-                cols[name].extend([value] * n)
-        arrays = {}
-        for f in ROLLOUT_SCHEMA:
-            if f.name == "prompt_ids":
-                arrays[f.name] = _list_array(prompt_ids, pa.int32(), np.int32)
-            elif f.name == "completion_ids":
-                arrays[f.name] = _list_array(completion_ids, pa.int32(), np.int32)
-            elif f.name == "behavior_logprobs":
-                arrays[f.name] = _list_array(logprobs, pa.float32(), np.float32)
-            elif f.name == "reward_components":
-                offsets = np.zeros(len(comp_lens) + 1, dtype=np.int32)
-                np.cumsum(comp_lens, out=offsets[1:])
-                arrays[f.name] = pa.MapArray.from_arrays(
-                    pa.array(offsets), pa.array(comp_keys, pa.string()), pa.array(comp_vals, pa.float64()))
-            else:
-                arrays[f.name] = pa.array(cols[f.name], type=f.type)
-        table = pa.Table.from_pydict(arrays, schema=ROLLOUT_SCHEMA)
+        """One Arrow table of the waiting groups, built column by column.
+
+        Per-group columns are built as a P-row table and repeated to one row per
+        completion with a single `take`; token ids and log-probs are converted
+        once per flush. No per-row Python appends.
+        """
+        groups = [g for g, _, _ in pending]
+        comps = [c for g in groups for c in g.completions]
+        n = len(comps)
+        sizes_list = [len(g.completions) for g in groups]
+        sizes = np.array(sizes_list, dtype=np.int64)
+        starts = np.cumsum(sizes) - sizes
+        rewards = np.array([c.reward for c in comps], dtype=np.float64)
+        mean, sd, adv, equal = _flush_stats(rewards, sizes, self.advantage_std, self.eps)
+        reasons: list[str | None] = [None] * len(groups)
+        for k in np.flatnonzero(equal).tolist():
+            reasons[k] = _equal_reason([c.correct for c in groups[k].completions])
+        group_ids = [gid for _, gid, _ in pending]
+        per_group = pa.Table.from_arrays([
+            pa.array(group_ids, pa.string()),
+            pa.array(sizes.astype(np.int32)),
+            pa.array([g.prompt_id for g in groups], pa.string()),
+            pa.array([g.task for g in groups], pa.string()),
+            pa.array([g.prompt for g in groups], pa.string()),
+            _list_array([g.prompt_ids for g in groups], pa.int32(), np.int32),
+            pa.array(mean),
+            pa.array(sd),
+            pa.array(equal),
+            pa.array(reasons, pa.string()),
+            pa.array(np.array([g.version for g in groups], dtype=np.int64)),
+            pa.array(np.array([int(t * 1e6) for _, _, t in pending], dtype=np.int64),
+                     pa.timestamp("us", tz="UTC")),
+            pa.array([g.temperature for g in groups], pa.float32()),
+            pa.array([g.top_p for g in groups], pa.float32()),
+            pa.array([g.top_k for g in groups], pa.int32()),
+        ], names=_PER_GROUP).take(pa.array(np.repeat(np.arange(len(groups)), sizes)))
+        components = [c.reward_components for c in comps]
+        comp_offsets = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(np.fromiter(map(len, components), dtype=np.int32, count=n), out=comp_offsets[1:])
+        keys = list(itertools.chain.from_iterable(components))
+        vals = np.fromiter(itertools.chain.from_iterable(d.values() for d in components), dtype=np.float64,
+                           count=len(keys))
+        suffixes = [f"-{i}" for i in range(max(sizes_list))]
+        completion_ids = _list_array([c.token_ids for c in comps], pa.int32(), np.int32)
+        per_row = {
+            "traj_id": pa.array([gid + x for gid, size in zip(group_ids, sizes_list) for x in suffixes[:size]],
+                                pa.string()),
+            "sample_index": pa.array((np.arange(n) - np.repeat(starts, sizes)).astype(np.int32)),
+            "completion": pa.array([c.text for c in comps], pa.string()),
+            "completion_ids": completion_ids,
+            "behavior_logprobs": _list_array([c.logprobs for c in comps], pa.float32(), np.float32),
+            "num_tokens": pa.array(np.diff(completion_ids.offsets.to_numpy())),
+            "finish_reason": pa.array([c.finish_reason for c in comps], pa.string()),
+            "reward": pa.array(rewards),
+            "reward_components": pa.MapArray.from_arrays(
+                pa.array(comp_offsets), pa.array(keys, pa.string()), pa.array(vals)),
+            "reward_error": pa.array([c.reward_error for c in comps], pa.string()),
+            "correct": pa.array([c.correct for c in comps], pa.bool_()),
+            "advantage": pa.array(adv),
+            "generator_id": _const_strings(self.generator_id, n),
+            "writer_id": _const_strings(self.writer_id, n),
+        }
+        columns = [per_row[name] if name in per_row else per_group.column(name) for name in ROLLOUT_SCHEMA.names]
+        table = pa.Table.from_arrays(columns, schema=ROLLOUT_SCHEMA)
         return table.replace_schema_metadata({"asyncgrpo.groups": str(len(pending))})
