@@ -133,12 +133,13 @@ def _flush_stats(rewards: np.ndarray, sizes: np.ndarray, std: StdMode,
     """`group_reward_stats` of P groups at once: rewards (R,) in group order, sizes (P,).
 
     Returns mean (P,), std (P,), advantage (R,) float32 and all_equal (P,) bool,
-    bit for bit what `group_reward_stats` gives group by group (the same numpy
-    reductions, row-wise over the groups of each size).
+    bit for bit what `group_reward_stats` gives group by group: the same
+    reductions (numpy's mean and std, written out), row-wise over the groups of
+    each size.
     """
     n_groups = len(sizes)
     if sizes.min() == sizes.max():       # the usual case: one G for the whole flush
-        buckets = [(slice(None), np.arange(len(rewards)).reshape(n_groups, int(sizes[0])))]
+        buckets = [(np.arange(n_groups), np.arange(len(rewards)).reshape(n_groups, int(sizes[0])))]
     else:
         starts = np.cumsum(sizes) - sizes
         buckets = []
@@ -148,18 +149,21 @@ def _flush_stats(rewards: np.ndarray, sizes: np.ndarray, std: StdMode,
     mean, sd = np.zeros(n_groups), np.zeros(n_groups)
     adv = np.zeros(len(rewards), dtype=np.float32)
     equal = np.ones(n_groups, dtype=bool)
-    for gi, rows in buckets:                                  # rows: (k, size) row numbers
-        r = rewards[rows]
-        mean[gi] = m = r.mean(axis=1)
-        equal[gi] = eq = r.max(axis=1) == r.min(axis=1)
+    for gi, rows in buckets:                                  # rows: (k, G) row numbers
+        r = rewards[rows]                                     # (k, G)
+        size = r.shape[1]
+        m = r.sum(axis=1, keepdims=True) / size               # (k, 1), as np.mean
+        mean[gi] = m[:, 0]
+        eq = r.max(axis=1) == r.min(axis=1)
+        equal[gi] = eq
         if eq.all():
             continue
         keep = ~eq
         rows, r, m = rows[keep], r[keep], m[keep]
-        s = r.std(axis=1, ddof=1 if std == "sample" else 0)
-        sd[np.arange(n_groups)[gi][keep]] = s
-        denom = np.ones_like(s) if std == "none" else s + eps
-        adv[rows] = ((r - m[:, None]) / denom[:, None]).astype(np.float32)
+        dev = r - m
+        s = np.sqrt((dev * dev).sum(axis=1, keepdims=True) / (size - (std == "sample")))  # as np.std
+        sd[gi[keep]] = s[:, 0]
+        adv[rows] = (dev if std == "none" else dev / (s + eps)).astype(np.float32)
     return mean, sd, adv, equal
 
 

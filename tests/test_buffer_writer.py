@@ -174,3 +174,56 @@ def test_unknown_reward_types_and_numpy_inputs(buf):
     assert [r["completion_ids"] for r in rows] == [[1, 2], [3]]
     assert [r["finish_reason"] for r in rows] == ["stop", "length"]
     assert rows[0]["behavior_logprobs"] == [-0.5, -0.25] and rows[0]["version"] == 2
+
+
+@pytest.mark.parametrize("std", ["sample", "population", "none"])
+def test_shard_stats_equal_group_reward_stats_bit_for_bit(buf, std):
+    """The writer computes a whole shard's statistics at once; they are exactly the per-group ones."""
+    rng = np.random.default_rng(5)
+    groups = []
+    for i in range(40):
+        size = (4, 8, 1, 3)[i % 4]                      # mixed group sizes in one shard
+        rewards = rng.normal(size=size) if i % 5 else np.full(size, 0.3)
+        if i % 7 == 0:
+            rewards = rng.integers(0, 2, size=size).astype(float)
+        groups.append(make_group(i, rewards, prompt_id=f"p{i}", seed=i,
+                                 correct=[r > 0 for r in rewards] if i % 3 else None))
+    with ShardWriter(buf, flush_groups=100, flush_seconds=None, advantage_std=std) as w:
+        gids = [w.append(g) for g in groups]
+    rows = pq.read_table(w.shards_written[0]).to_pylist()
+    assert len(rows) == sum(len(g.completions) for g in groups)
+    k = 0
+    for g, gid in zip(groups, gids):
+        rewards = [c.reward for c in g.completions]
+        mean, sd, adv = group_reward_stats(rewards, std)
+        reason = filter_reason(rewards, [c.correct for c in g.completions])
+        for i, c in enumerate(g.completions):
+            r = rows[k]
+            k += 1
+            assert (r["group_id"], r["traj_id"], r["sample_index"], r["group_size"]) == (
+                gid, f"{gid}-{i}", i, len(g.completions))
+            assert (r["group_reward_mean"], r["group_reward_std"], r["reward"]) == (mean, sd, c.reward)
+            assert r["advantage"] == float(adv[i])                      # float32, exactly
+            assert (r["filtered"], r["filter_reason"]) == (reason is not None, reason)
+            assert r["completion_ids"] == c.token_ids.tolist() and r["prompt_ids"] == [1, 2, 3]
+            assert r["correct"] == c.correct and r["version"] == g.version
+    assert sum(r["filtered"] for r in rows) > 0 and sum(not r["filtered"] for r in rows) > 0
+
+
+def test_python_list_tokens_and_numpy_tokens_give_the_same_shard(buf, tmp_path):
+    g = make_group(1, [1, 0, 1], prompt_id="q", tokens=6, seed=2, correct=[1, 0, 1])
+    as_lists = Group(prompt_id="q", prompt=g.prompt, prompt_ids=list(g.prompt_ids), version=1, task=g.task,
+                     completions=[Completion(c.text, c.token_ids.tolist(), c.logprobs.astype(np.float64).tolist(),
+                                             c.reward, reward_components=c.reward_components, correct=c.correct)
+                                  for c in g.completions])
+    tables = []
+    for root, group in ((buf, g), (tmp_path / "lists", as_lists)):
+        with ShardWriter(root, flush_seconds=None) as w:
+            w.append(group)
+        tables.append(pq.read_table(w.shards_written[0]).drop(["created_at"]))
+    assert tables[0].equals(tables[1])
+    with pytest.raises(Exception, match="2147483648|too large|out of bounds|overflow"):
+        with ShardWriter(tmp_path / "big", flush_seconds=None) as w:
+            w.append(make_group(0, [1.0], tokens=1))
+            w.append(Group(prompt_id="big", prompt="x", prompt_ids=[1], version=0,
+                           completions=[Completion("a", np.array([2**31]), [0.0], 1.0)]))
