@@ -286,10 +286,10 @@ def run_pipeline(run_dir: Path, cfg: Config, *, resume: bool, echo=print) -> dic
     """Run (or resume) the pipeline in `run_dir`; returns the summary that is also printed."""
     from pipeline.config import save_config
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     info = read_run_info(run_dir)
     if not resume or "initial_model" not in info:
-        model = prepare_model(cfg, echo)
+        model = prepare_model(cfg, echo)  # a missing model folder stops here, before anything is made
+        run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")
         echo(f"greedy accuracy before training (held-out prompts) ...")
         info = {"initial_model": str(model.resolve()), "eval_before": evaluate_folder(cfg, model)}

@@ -137,12 +137,15 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     try:
         while not stop:
             version = _maybe_reload(store, backend, version, generator_id)
-            waited = _admit(index, writer, admission, store, stop, cfg, lambda: version)
+            allowance, waited = _admit(index, writer, admission, store, stop, cfg)
             totals["admission_wait_s"] += waited
             if stop:
                 break
             version = _maybe_reload(store, backend, version, generator_id)
-            prompts = scheduler.next_batch(cfg.prompts_per_batch)
+            n = cfg.prompts_per_batch if allowance is None else min(cfg.prompts_per_batch, allowance)
+            if cfg.max_groups is not None:
+                n = min(n, cfg.max_groups - totals["groups"])
+            prompts = scheduler.next_batch(n)
             batch_seed += 1
             rollouts = backend.generate([p.text for p in prompts], n=cfg.num_generations,
                                         sampling=cfg.sampling, seed=batch_seed)
@@ -196,30 +199,31 @@ def _maybe_reload(store, backend, version: int, generator_id: str) -> int:
     return newest
 
 
-def _admit(index, writer, admission: Admission, store, stop: StopFlag, cfg: GeneratorConfig,
-           current_version) -> float:
-    """Wait while the buffer holds as many admitted groups as the trainer may use; seconds waited.
+def _admit(index, writer, admission: Admission, store, stop: StopFlag,
+           cfg: GeneratorConfig) -> tuple[int | None, float]:
+    """Wait until the trainer may use more groups; (groups allowed now or None, seconds waited).
 
     AReaL's rule (buffer.admission_limit): at trainer version t at most
     (max_staleness + t + 1) * groups_per_step non-filtered groups may have been
-    admitted, counting this writer's unflushed groups. The trainer's version is
-    the newest published one.
+    admitted, counting this writer's unflushed groups. t is the newest published
+    version. The allowance caps the next batch, so the limit is never overshot
+    by this generator (several generators may overshoot by one batch each).
     """
     from buffer import admission_limit
 
     t0 = time.time()
     while not stop:
         t = store.latest() or 0
-        limit = admission_limit(max(t, current_version()), admission.max_staleness, admission.groups_per_step)
+        limit = admission_limit(t, admission.max_staleness, admission.groups_per_step)
         if limit is None:
-            break
+            return None, time.time() - t0
         index.refresh()
         admitted = index.counts(t, admission.max_staleness)["admitted"] + writer.pending_groups
         if admitted < limit:
-            break
+            return limit - admitted, time.time() - t0
         writer.flush_if_due()
         stop.wait(cfg.poll_seconds)
-    return time.time() - t0
+    return 0, time.time() - t0
 
 
 def _score_group(prompt, prompt_ids, rollouts, scorer, version: int, task_name: str,
