@@ -96,19 +96,29 @@ _REWARD_TYPES = (float, int, np.floating, np.integer)
 
 
 def _check_group(g: Group) -> None:
-    where = lambda: f"group for prompt_id={g.prompt_id!r}"  # noqa: E731  (built only on error)
-    if not g.completions:
-        raise BufferError(f"{where()}: no completions")
+    """Raise BufferError naming the group (and completion) if `g` cannot be stored."""
+    comps = g.completions
+    if comps and type(g.version) is int and g.version >= 0:
+        for c in comps:   # fast path: float rewards (r - r is 0.0 only for finite r)
+            r = c.reward
+            if (type(r) is not float or r - r != 0.0 or len(c.token_ids) != len(c.logprobs)
+                    or c.finish_reason not in FINISH_REASONS):
+                break
+        else:
+            return
+    where = f"group for prompt_id={g.prompt_id!r}"
+    if not comps:
+        raise BufferError(f"{where}: no completions")
     if not isinstance(g.version, (int, np.integer)) or g.version < 0:
-        raise BufferError(f"{where()}: version must be an integer >= 0, got {g.version!r}")
-    for i, c in enumerate(g.completions):
+        raise BufferError(f"{where}: version must be an integer >= 0, got {g.version!r}")
+    for i, c in enumerate(comps):
         if len(c.token_ids) != len(c.logprobs):
-            raise BufferError(f"{where()}, completion {i}: {len(c.token_ids)} token_ids but "
+            raise BufferError(f"{where}, completion {i}: {len(c.token_ids)} token_ids but "
                               f"{len(c.logprobs)} logprobs; they must match one to one")
         if not isinstance(c.reward, _REWARD_TYPES) or not math.isfinite(c.reward):
-            raise BufferError(f"{where()}, completion {i}: reward must be a finite number, got {c.reward!r}")
+            raise BufferError(f"{where}, completion {i}: reward must be a finite number, got {c.reward!r}")
         if c.finish_reason not in FINISH_REASONS:
-            raise BufferError(f"{where()}, completion {i}: finish_reason must be one of "
+            raise BufferError(f"{where}, completion {i}: finish_reason must be one of "
                               f"{FINISH_REASONS}, got {c.finish_reason!r}")
 
 
