@@ -124,7 +124,8 @@ class PromptScheduler:
             raise ValueError(f"record({prompt_id!r}): accuracy must be a number in [0, 1], got {accuracy!r}")
         if math.isnan(acc):
             return
-        if self._stale()[i]:
+        forget = self.cfg.forget_after
+        if forget is not None and self.recorded - self._last[i] >= forget:   # start afresh
             self._n[i] = self._s[i] = 0.0
         decay = self.cfg.history_decay
         self._n[i] = decay * self._n[i] + 1.0
