@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 import shutil
 import signal
 import subprocess
@@ -94,6 +95,23 @@ def test_metrics_rows_and_on_policy_alignment(tmp_path, model_folder):  # noqa: 
     assert sum(r["batch/sequences"] for r in rows) == 2 * 3 * 8
 
 
+def test_bfloat16_gradient_checkpointing_and_adaptive_kl(tmp_path, model_folder):  # noqa: F811
+    write_buffer(tmp_path, sampled(str(model_folder), 12))
+    cfg = TrainerConfig(groups_per_step=3, max_steps=2, dtype="bfloat16", gradient_checkpointing=True,
+                        num_iterations=2, kl_control="adaptive", kl_target=1e-6, kl_horizon=100,
+                        loss=PolicyLossConfig(beta=0.1), lr_schedule="linear", warmup_steps=1, **FAST)
+    run_trainer(tmp_path, cfg, model_folder=model_folder, offline=True)
+    rows = BufferSQL(tmp_path).query("SELECT * FROM metrics ORDER BY step").to_pylist()
+    assert [r["lr"] for r in rows] == [1.5e-4, 0.0]          # warm-up 1/2, then linear decay to 0 at max_steps
+    assert rows[0]["kl/ref"] > 1e-6 and rows[0]["kl/beta_next"] == pytest.approx(0.1 * (1 + 0.2 * 24 / 100))
+    assert rows[1]["beta"] == rows[0]["kl/beta_next"]
+    assert all(math.isfinite(r["loss/total"]) and r["grad_norm"] > 0 for r in rows)
+    assert newest_checkpoint(tmp_path)["kl"]["beta"] == rows[1]["kl/beta_next"]
+    # bfloat16 is autocast only: master weights (and what is published) stay float32.
+    assert newest_checkpoint(tmp_path)["model"]["model.embed_tokens.weight"].dtype == torch.float32
+    assert WeightStore(tmp_path / "weights").latest() == 2
+
+
 def test_staleness_limit_is_never_exceeded(tmp_path, model_folder):  # noqa: F811
     """12 groups of v0 and 4 of each v1..v5, 4 groups a step, max_staleness 1: v0 groups expire."""
     groups = sampled(str(model_folder), 48)
@@ -143,7 +161,7 @@ def _consumed_by_step(run):
 
 def test_kill_9_mid_step_then_resume_continues_exactly(tmp_path, model_folder, caplog):  # noqa: F811
     """kill -9 right after the pull of step 5 (checkpoint at 3); the resumed run equals an unbroken one."""
-    groups = [g for g in sampled(str(model_folder), 48) if len({c.reward for c in g.completions}) > 1][:20]
+    groups = [g for g in sampled(str(model_folder), 48) if len({c.reward for c in g.completions}) > 1][:16]
     # 4 epochs of 4 micro-batches make a step long enough (~0.2 s) for the kill to land inside it.
     cfg = dict(groups_per_step=2, num_iterations=4, micro_batch_size=4, checkpoint_every=3, num_threads=1,
                metrics_flush_seconds=0.0)
@@ -171,14 +189,14 @@ def test_kill_9_mid_step_then_resume_continues_exactly(tmp_path, model_folder, c
 
     run_trainer(whole, TrainerConfig(**cfg), model_folder=model_folder, offline=True)
     got, want = _consumed_by_step(broken), _consumed_by_step(whole)
-    assert got == want and list(got) == list(range(1, 11))          # steps contiguous, same groups each step
+    assert got == want and list(got) == list(range(1, 9))           # steps contiguous, same groups each step
     ids = [g for gs in got.values() for g in gs]
-    assert len(ids) == len(set(ids)) == 20                           # none twice, none skipped
+    assert len(ids) == len(set(ids)) == 16                           # none twice, none skipped
     m = BufferSQL(broken).query("SELECT step, count(*) n FROM metrics GROUP BY step ORDER BY step").to_pylist()
-    assert m == [{"step": s, "n": 1} for s in range(1, 11)]
+    assert m == [{"step": s, "n": 1} for s in range(1, 9)]
     a, b = newest_checkpoint(broken), newest_checkpoint(whole)
-    assert a["step"] == b["step"] == 10
+    assert a["step"] == b["step"] == 8
     for k in b["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
-    assert WeightStore(broken / "weights").latest() == 10
-    assert json.loads((WeightStore(broken / "weights").folder(10) / "weights.json").read_text())["step"] == 10
+    assert WeightStore(broken / "weights").latest() == 8
+    assert json.loads((WeightStore(broken / "weights").folder(8) / "weights.json").read_text())["step"] == 8

@@ -30,9 +30,9 @@ class TrainerConfig:
     """The GRPO objective (clip, importance weights, KL term, aggregation); see workers.grpo.loss."""
     groups_per_step: int = 32
     """Groups (prompts, each with its G completions) per trainer step; 32 x G=8 = 256 sequences."""
-    micro_batch_size: int = 256
-    """Sequences per forward/backward pass; gradients accumulate over the step batch, so this bounds
-    memory without changing the result."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward pass; gradients accumulate over the whole step batch, so this
+    bounds memory (logits are micro_batch x tokens x vocabulary) without changing the result."""
     num_iterations: int = 1
     """Optimizer updates per step batch (PPO epochs). The version still moves by one per step."""
     max_staleness: int | None = 2
@@ -76,6 +76,9 @@ class TrainerConfig:
     None: until stopped (offline: until no eligible group remains)."""
     publish_every: int = 1
     """Publish weights every this many steps (and at the end); generators pick them up."""
+    publish_background: bool = True
+    """Write published versions from a background thread (the next step starts at once; the folder
+    appears about a publication's time later). Off: the step waits for its publication."""
     keep_weights: int = 3
     """Published weight versions kept on disk (older ones are pruned), >= 1."""
     checkpoint_every: int = 50
@@ -143,7 +146,8 @@ class TrainerConfig:
         require(self, "dtype", self.dtype in ("float32", "bfloat16"), "'float32' or 'bfloat16'")
         require(self, "device", isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
                 "'cpu' or 'cuda' (optionally 'cuda:N')")
-        require(self, "gradient_checkpointing", isinstance(self.gradient_checkpointing, bool), "true or false")
+        for name in ("gradient_checkpointing", "publish_background"):
+            require(self, name, isinstance(getattr(self, name), bool), "true or false")
         require(self, "num_threads", self.num_threads is None or is_int(self.num_threads, 1),
                 "an integer >= 1 or None (torch's default)")
         require(self, "poll_seconds", is_num(self.poll_seconds, 0, lo_open=True), "a number > 0")

@@ -57,6 +57,11 @@ def run_trainer(run_dir: str | os.PathLike, cfg: TrainerConfig, *, model_folder:
         reason = _loop(s)
         _close(s, reason)
     finally:
+        if s is not None and s.publisher is not None:
+            try:
+                s.publisher.wait()  # never leave a publication half-done behind a crash elsewhere
+            except RuntimeError:
+                log.exception("publishing failed")
         if s is not None and s.sampler is not None:
             s.sampler.close()
         if s is not None and s.metrics is not None:
@@ -71,7 +76,7 @@ def _loop(s: Session) -> str:
         if cfg.max_steps is not None and s.step >= cfg.max_steps:
             return "max_steps"
         started = time.time()
-        kind, table, pulled, wait_s = _next_batch(s)
+        kind, table, pulled, (wait_s, pull_s) = _next_batch(s)
         if kind != "batch":
             return kind
         t0 = time.time()
@@ -87,13 +92,10 @@ def _loop(s: Session) -> str:
         s.kl.update(metrics.get("kl/ref"), batch.size)
         if not s.dist.is_main:
             continue
-        t0 = time.time()
         published = s.step % cfg.publish_every == 0
-        if published:
-            _publish(s)
-        publish_s = time.time() - t0
-        row = _row(s, pulled, batch, metrics, times, wait_s=wait_s, train_s=train_s, publish_s=publish_s,
-                   step_s=time.time() - started, lr=lr, beta=beta, published=published)
+        publish_s = _publish(s) if published else 0.0
+        row = _row(s, pulled, batch, metrics, times, wait_s=wait_s, pull_s=pull_s, train_s=train_s,
+                   publish_s=publish_s, step_s=time.time() - started, lr=lr, beta=beta, published=published)
         s.metrics.add(row)
         _log_step(row)
         if s.step % cfg.checkpoint_every == 0:
@@ -103,14 +105,14 @@ def _loop(s: Session) -> str:
 
 
 def _next_batch(s: Session):
-    """(kind, table, sampler Batch (rank 0), seconds waited); kind "batch" or why the loop ends."""
+    """(kind, table, sampler Batch (rank 0), (wait_s, pull_s)); kind "batch" or why the loop ends."""
     if not s.dist.is_main:
         while True:
             msg = s.dist.broadcast(None)
             if msg["kind"] != "wait":
                 break
         table = table_from_bytes(msg["ipc"]) if msg["kind"] == "batch" else None
-        return msg["kind"], table, None, 0.0
+        return msg["kind"], table, None, (0.0, 0.0)
     kind, pulled, waited = _wait_and_pull(s)
     msg = {"kind": kind}
     if kind == "batch" and s.dist.enabled:
@@ -120,30 +122,31 @@ def _next_batch(s: Session):
 
 
 def _wait_and_pull(s: Session):
-    """Rank 0: pull groups_per_step eligible groups, waiting (visibly) until there are enough."""
+    """Rank 0: pull groups_per_step eligible groups, waiting (visibly) until there are enough.
+
+    Returns (kind, Batch or None, (seconds waited before the pull that succeeded, seconds that pull took)).
+    """
     cfg = s.cfg
     max_staleness = None if s.offline else cfg.max_staleness
     started = last_log = time.time()
     while True:
         if s.stop.requested:
-            return "signal", None, time.time() - started
+            return "signal", None, (time.time() - started, 0.0)
         pull = dict(trainer_version=s.pull_version, trainer_step=s.step + 1, max_staleness=max_staleness)
+        t0 = time.time()
         batch = s.sampler.pull(cfg.groups_per_step, **pull)
-        if batch is not None:
-            return "batch", batch, time.time() - started
-        if s.offline:
+        if batch is None and s.offline:
             left = s.sampler.counts(s.pull_version, None)["eligible"]
             if left == 0:
-                return "exhausted", None, time.time() - started
-            batch = s.sampler.pull(left, **pull)  # the last, smaller step of the pass
-            if batch is not None:
-                return "batch", batch, time.time() - started
-            continue
+                return "exhausted", None, (time.time() - started, 0.0)
+            batch = s.sampler.pull(left, **pull)  # the last, smaller step of the pass (None: retry)
+        if batch is not None:
+            return "batch", batch, (t0 - started, time.time() - t0)
         now = time.time()
         if cfg.max_wait_seconds is not None and now - started >= cfg.max_wait_seconds:
             log.info("gave up after waiting %.1f s for %d eligible groups (max_wait_seconds)",
                      now - started, cfg.groups_per_step)
-            return "gave_up", None, now - started
+            return "gave_up", None, (now - started, 0.0)
         if now - last_log >= cfg.log_wait_seconds:
             c = s.sampler.counts(s.pull_version, max_staleness)
             log.info("step %d (v%d): waiting for %d eligible groups: %d eligible, %d expired, %d filtered, "
@@ -154,9 +157,9 @@ def _wait_and_pull(s: Session):
         time.sleep(cfg.poll_seconds)
 
 
-def _publish(s: Session) -> None:
-    s.weights.publish(s.model, s.tokenizer, s.version, info={"step": s.step})
-    s.weights.prune(s.cfg.keep_weights)
+def _publish(s: Session, wait: bool = False) -> float:
+    """Publish the current version (in the background unless `wait`); returns seconds the loop spent."""
+    return s.publisher.publish(s.model, s.version, info={"step": s.step}, wait=wait)
 
 
 def _checkpoint(s: Session) -> None:
@@ -172,8 +175,9 @@ def _checkpoint(s: Session) -> None:
 def _close(s: Session, reason: str) -> None:
     """Clean exit: the last step's weights and checkpoint on disk, metrics flushed."""
     if s.dist.is_main:
+        s.publisher.wait()
         if not s.weights.folder(s.version).exists():
-            _publish(s)
+            _publish(s, wait=True)
         if s.step > 0 and s.last_checkpoint != s.step:
             _checkpoint(s)
         s.metrics.flush()
@@ -181,8 +185,8 @@ def _close(s: Session, reason: str) -> None:
     s.dist.barrier()
 
 
-def _row(s: Session, pulled, batch, m: dict, times, *, wait_s: float, train_s: float, publish_s: float,
-         step_s: float, lr: float, beta: float, published: bool) -> dict:
+def _row(s: Session, pulled, batch, m: dict, times, *, wait_s: float, pull_s: float, train_s: float,
+         publish_s: float, step_s: float, lr: float, beta: float, published: bool) -> dict:
     """One metrics row: namespaced columns, plain floats and ints."""
     counts = s.sampler.counts(pulled.trainer_version, None if s.offline else s.cfg.max_staleness)
     stale = pulled.staleness.astype(np.float64)
@@ -207,8 +211,9 @@ def _row(s: Session, pulled, batch, m: dict, times, *, wait_s: float, train_s: f
         "buffer/unavailable": counts["unavailable"],
         "perf/tokens_per_s": tokens * s.cfg.num_iterations / train_s if train_s > 0 else None,
         "perf/sequences_per_s": batch.size * s.cfg.num_iterations / train_s if train_s > 0 else None,
-        "time/wait_s": wait_s, "time/train_s": train_s, "time/forward_s": times.forward_s,
+        "time/wait_s": wait_s, "time/pull_s": pull_s, "time/train_s": train_s, "time/forward_s": times.forward_s,
         "time/backward_s": times.backward_s, "time/optim_s": times.optim_s, "time/publish_s": publish_s,
+        "time/publish_background_s": s.publisher.last_seconds,
         "time/step_s": step_s, "weights/published": int(published),
     }
     if s.cfg.kl_control == "adaptive":

@@ -91,6 +91,7 @@ class Session:
     pad_id: int
     sampler: object = None              # rank 0 only, from here on
     weights: object = None
+    publisher: object = None
     metrics: MetricsWriter | None = None
     last_checkpoint: int = 0
 
@@ -183,6 +184,7 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
 def _open_files(s: Session, model_folder: Path, state: dict | None) -> None:
     """Rank 0: the buffer's sampler, the weights, metrics and checkpoints, rolled back to s.step."""
     from buffer import BufferDir, Sampler
+    from workers.trainer.publisher import Publisher
     from workers.weights import WeightStore
 
     buffer_root = s.run / "buffer"
@@ -201,8 +203,10 @@ def _open_files(s: Session, model_folder: Path, state: dict | None) -> None:
     undone = s.weights.abandon_after(s.version)
     if undone:
         log.info("moved weights of undone versions %s to %s", undone, s.weights.abandoned)
+    s.publisher = Publisher(s.weights, model_folder, s.tokenizer, keep=s.cfg.keep_weights,
+                            background=s.cfg.publish_background)
     if not s.weights.folder(s.version).exists():
-        s.weights.publish(s.model, s.tokenizer, s.version, info={"step": s.step})
+        s.publisher.publish(s.model, s.version, info={"step": s.step}, wait=True)
     elif s.weights.latest() != s.version:
         s.weights.set_latest(s.version)
 

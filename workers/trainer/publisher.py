@@ -1,0 +1,69 @@
+"""Publishing weight versions without stopping training.
+
+After a step the trainer copies its parameters into a CPU shadow of the model
+(loaded once from the run's model folder, so the published config.json is the
+source's, untouched by training settings such as use_cache) and a background
+thread writes the version folder: save, fsync, rename, LATEST, prune. On the
+tiny model that is about 0.1 s a version, mostly fsync, which the next step
+overlaps. One publication at a time: the next one first waits for the last.
+An error in the thread is raised by the next call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from workers.weights import WeightStore
+
+
+class Publisher:
+    """Publishes versions of `model` to `store`, in a background thread if `background`."""
+
+    def __init__(self, store: WeightStore, model_folder: Path, tokenizer, *, keep: int, background: bool) -> None:
+        from workers.model import load_model
+
+        self.store, self.tokenizer, self.keep, self.background = store, tokenizer, keep, background
+        self.shadow = load_model(model_folder, dtype="float32", device="cpu")
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_seconds = 0.0   # how long the last publication took, start to LATEST
+
+    def publish(self, model: torch.nn.Module, version: int, info: dict | None = None, *, wait: bool = False) -> float:
+        """Start publishing `version` from `model`'s current parameters; returns seconds the caller spent.
+
+        wait=True (or background off): return only when the folder and LATEST are on disk.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        with torch.no_grad():
+            self.shadow.load_state_dict(model.state_dict())
+        if self.background and not wait:
+            self._thread = threading.Thread(target=self._run, args=(version, info), name=f"publish-v{version}",
+                                            daemon=True)
+            self._thread.start()
+        else:
+            self._run(version, info)
+            self.wait()
+        return time.perf_counter() - t0
+
+    def _run(self, version: int, info: dict | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.store.publish(self.shadow, self.tokenizer, version, info=info)
+            self.store.prune(self.keep)
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread by wait()
+            self._error = e
+        self.last_seconds = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Until the publication in flight is done; raises its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"publishing weights to {self.store.root} failed: {error}") from error
