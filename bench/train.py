@@ -79,8 +79,9 @@ def fabricate(run: Path, model_folder: Path, num_groups: int, seed: int = 0) -> 
                 completions = []
                 for text, c, r in comps:
                     pos = torch.arange(len(pids) - 1, len(pids) - 1 + len(c))
-                    completions.append(Completion(text=text, token_ids=c, logprobs=logp[row, pos, torch.tensor(c)].tolist(),
-                                                  reward=r, reward_components={"accuracy": r}, correct=bool(r)))
+                    lps = logp[row, pos, torch.tensor(c)].tolist()
+                    completions.append(Completion(text=text, token_ids=c, logprobs=lps, reward=r,
+                                                  reward_components={"accuracy": r}, correct=bool(r)))
                     row += 1
                 w.append(Group(prompt_id=f"p{start + k}", prompt=prompt, prompt_ids=pids, version=0,
                                completions=completions, task="arithmetic"))

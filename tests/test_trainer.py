@@ -90,7 +90,8 @@ def test_metrics_rows_and_on_policy_alignment(tmp_path, model_folder):  # noqa: 
     assert first["beta"] == 0.04 and first["lr"] == 3e-4 and first["staleness/max"] == 0
     taken = [g for g in groups if len({c.reward for c in g.completions}) > 1][:3]   # oldest unfiltered
     assert first["reward/mean"] == pytest.approx(sum(c.reward for g in taken for c in g.completions) / 24)
-    assert first["buffer/filtered"] == len(groups) - sum(len({c.reward for c in g.completions}) > 1 for g in groups)
+    filtered = sum(len({c.reward for c in g.completions}) == 1 for g in groups)
+    assert first["buffer/filtered"] == filtered
     assert rows[1]["staleness/mean"] == 1.0 and rows[1]["kl/old_behaviour"] > 0
     assert sum(r["batch/sequences"] for r in rows) == 2 * 3 * 8
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from buffer import BufferSQL
-from helpers.trainer_fixtures import REPO, env, model_folder, newest_checkpoint, sampled, trainer_cmd, write_buffer  # noqa: F401
+from helpers.trainer_fixtures import (REPO, env, model_folder, newest_checkpoint, sampled,  # noqa: F401
+                                      trainer_cmd, write_buffer)
 from workers.trainer import config_from_dict, run_trainer
 
 # Uneven splits on purpose: 3 groups x 8 = 24 sequences, 12 per rank, micro-batches of 5 (5+5+2);

@@ -1,4 +1,4 @@
-"""The trainer daemon: wait for groups -> pull (recorded in the ledger) -> train -> publish -> metrics -> checkpoint.
+"""The trainer daemon: wait -> pull (recorded in the ledger) -> train -> publish -> metrics -> checkpoint.
 
     open: newest checkpoint (resume) or model_folder; ledger, weights, metrics and
           checkpoints rolled back to its step; v0 published on a fresh run

@@ -1,7 +1,8 @@
 """Command line of the trainer alone (the pipeline's `asyncgrpo train` is the usual way in).
 
     python -m workers.trainer.main --run RUN --model-folder MODEL [--resume] [--offline] [--config CFG]
-    torchrun --standalone --nproc_per_node 2 -m workers.trainer.main --run-dir RUN --model-folder MODEL --config CFG
+    torchrun --standalone --nproc_per_node 2 -m workers.trainer.main --run-dir RUN --model-folder MODEL \
+        --config CFG
 
 CFG: TrainerConfig fields as a JSON object ('{"lr": 1e-4, "loss": {"beta": 0.05}}'), or a
 .json / .toml file of them; a file with a [trainer] table (such as <run>/config.toml) uses
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Run directory (buffer/, weights/, metrics/, checkpoints/).")
     p.add_argument("--model-folder", required=True, help="The run's initial model (HF folder).")
     p.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint.")
-    p.add_argument("--offline", action="store_true", help="Train on the buffer as it is; stop when nothing is left.")
+    p.add_argument("--offline", action="store_true",
+                   help="Train on the buffer as it is; stop when nothing is left.")
     p.add_argument("--config", help="TrainerConfig overrides: a JSON object, or a .json/.toml file.")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)

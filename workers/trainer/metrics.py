@@ -106,7 +106,7 @@ class MetricsWriter:
         self._oldest: float | None = None
 
     def truncate_after(self, step: int) -> int:
-        """Delete rows of steps > `step` (shards after it; a shard across it is rewritten). Returns rows dropped."""
+        """Delete rows of steps > `step` (shards after it; one across it is rewritten); returns rows dropped."""
         dropped = 0
         for p in sorted(self.root.glob("steps-*.parquet")):
             first, last = (int(x) for x in p.stem.split("-")[1:3])

@@ -32,7 +32,8 @@ class Publisher:
         self._error: BaseException | None = None
         self.last_seconds = 0.0   # how long the last publication took, start to LATEST
 
-    def publish(self, model: torch.nn.Module, version: int, info: dict | None = None, *, wait: bool = False) -> float:
+    def publish(self, model: torch.nn.Module, version: int, info: dict | None = None, *,
+                wait: bool = False) -> float:
         """Start publishing `version` from `model`'s current parameters; returns seconds the caller spent.
 
         wait=True (or background off): return only when the folder and LATEST are on disk.

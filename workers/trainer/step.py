@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,10 +35,9 @@ from workers.trainer.metrics import LossMetrics
 
 @dataclass
 class StepTimes:
-    forward_s: float = 0.0
+    forward_s: float = 0.0    # every forward pass (reference, policy) and the loss
     backward_s: float = 0.0
-    optim_s: float = 0.0
-    extra: dict = field(default_factory=dict)
+    optim_s: float = 0.0      # gradient all-reduce, clipping, AdamW
 
 
 def completion_logprobs(model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, float]:
