@@ -219,7 +219,7 @@ def test_errors_name_the_bad_value(backend):
         backend.generate(PROMPTS, n=0, sampling=SamplingConfig())
     with pytest.raises(TypeError, match="list of strings"):
         backend.generate("12+3=", n=1, sampling=SamplingConfig())
-    with pytest.raises(BackendError, match="max_position_embeddings=512"):
+    with pytest.raises(BackendError, match="exceeds the model's maximum length 512"):
         backend.generate(["1" * 500], n=1, sampling=SamplingConfig(max_new_tokens=20))
     with pytest.raises(ValueError, match="backend kind must be one of hf, vllm, got 'tgi'"):
         make_backend("tgi", "/nonexistent")

@@ -95,9 +95,35 @@ def check_generate_args(prompts: list[str], n: int) -> None:
         raise ValueError(f"n (completions per prompt) must be an integer >= 1, got {n!r}")
 
 
-def finish(token_ids: list[int], eos_id: int, max_new_tokens: int) -> Literal["stop", "length"]:
+def stop_token_ids(folder: Path, tokenizer) -> frozenset[int]:
+    """The ids that end a completion: the tokenizer's eos and the generation config's eos ids."""
+    import json
+
+    ids = {tokenizer.eos_token_id} - {None}
+    gen = Path(folder) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+    if not ids:
+        raise BackendError(f"the model in {str(folder)!r} names no eos token (tokenizer or "
+                           "generation_config.json); completions could not stop")
+    return frozenset(int(i) for i in ids)
+
+
+def check_lengths(ids: list[list[int]], max_new_tokens: int, max_length: int | None) -> None:
+    """Every prompt is non-empty and fits the model together with max_new_tokens."""
+    for i, row in enumerate(ids):
+        if not row:
+            raise BackendError(f"prompt {i} encodes to no tokens (an empty prompt, and the tokenizer "
+                               "adds no <bos>)")
+        if max_length is not None and len(row) + max_new_tokens > max_length:
+            raise BackendError(f"prompt {i} has {len(row)} tokens; with max_new_tokens={max_new_tokens} "
+                               f"that exceeds the model's maximum length {max_length}")
+
+
+def finish(token_ids: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> Literal["stop", "length"]:
     """The finish reason of a completion that ends where the sampler stopped it."""
-    if token_ids and token_ids[-1] == eos_id:
+    if token_ids and token_ids[-1] in stop_ids:
         return "stop"
     assert len(token_ids) == max_new_tokens, (len(token_ids), max_new_tokens)
     return "length"

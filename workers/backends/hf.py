@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from workers.backends.base import (BackendError, Rollout, SamplingConfig, check_generate_args,
-                                   finish)
+                                   check_lengths, finish, stop_token_ids)
 from workers.checks import is_int
 from workers.model import check_model_folder, load_model, load_tokenizer
 
@@ -84,8 +84,8 @@ class HFBackend:
         self.tokenizer = load_tokenizer(self.folder)
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id
-        if self.eos_id is None:
-            raise BackendError(f"the tokenizer in {str(self.folder)!r} has no eos token; cannot stop completions")
+        self.stop_ids = stop_token_ids(self.folder, self.tokenizer)
+        self._stop = torch.tensor(sorted(self.stop_ids), device=self.device)
         self.max_sequences = max_sequences
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         self._seeds = torch.Generator().manual_seed(seed)
@@ -104,7 +104,7 @@ class HFBackend:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         generator = torch.Generator(self.device).manual_seed(seed)
         ids = self.prompt_token_ids(prompts)
-        self._check_lengths(ids, sampling.max_new_tokens)
+        check_lengths(ids, sampling.max_new_tokens, self.max_length)
         per_batch = len(ids) if self.max_sequences is None else max(self.max_sequences // n, 1)
         groups: list[list[Rollout]] = []
         for start in range(0, len(ids), max(per_batch, 1)):
@@ -138,16 +138,6 @@ class HFBackend:
         gc.collect()
 
     # -- decoding ----------------------------------------------------------------------------------
-
-    def _check_lengths(self, ids: list[list[int]], max_new_tokens: int) -> None:
-        for i, row in enumerate(ids):
-            if not row:
-                raise BackendError(f"prompt {i} encodes to no tokens; the tokenizer adds no <bos> "
-                                   f"and the prompt is empty")
-            if self.max_length is not None and len(row) + max_new_tokens > self.max_length:
-                raise BackendError(
-                    f"prompt {i} has {len(row)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
-                    f"the model's max_position_embeddings={self.max_length}")
 
     @torch.no_grad()
     def _generate_batch(self, ids: list[list[int]], n: int, sampling: SamplingConfig,
@@ -183,7 +173,7 @@ class HFBackend:
             lengths[rows] += 1
             if t == T - 1:
                 break
-            live = tok != self.eos_id
+            live = ~torch.isin(tok, self._stop)
             if not bool(live.all()):
                 if not bool(live.any()):
                     break
@@ -202,6 +192,6 @@ class HFBackend:
         seqs = [tokens[b, :lengths[b]].tolist() for b in range(N * n)]
         texts = self.tokenizer.batch_decode(seqs, skip_special_tokens=True)
         out = [Rollout(token_ids=s, text=txt, logprobs=logps[b, :len(s)].tolist(),
-                       finish_reason=finish(s, self.eos_id, T))
+                       finish_reason=finish(s, self.stop_ids, T))
                for b, (s, txt) in enumerate(zip(seqs, texts))]
         return [out[i * n:(i + 1) * n] for i in range(N)]
