@@ -145,35 +145,31 @@ def _flush_stats(rewards: np.ndarray, sizes: np.ndarray, std: StdMode,
     Returns mean (P,), std (P,), advantage (R,) float32 and all_equal (P,) bool,
     bit for bit what `group_reward_stats` gives group by group: the same
     reductions (numpy's mean and std, written out), row-wise over the groups of
-    each size.
+    each size; all-equal groups get std 0 and advantages 0.
     """
     n_groups = len(sizes)
     if sizes.min() == sizes.max():       # the usual case: one G for the whole flush
-        buckets = [(np.arange(n_groups), np.arange(len(rewards)).reshape(n_groups, int(sizes[0])))]
+        buckets = [(slice(None), slice(None), int(sizes[0]))]
     else:
         starts = np.cumsum(sizes) - sizes
         buckets = []
         for size in np.unique(sizes).tolist():
             gi = np.flatnonzero(sizes == size)
-            buckets.append((gi, starts[gi][:, None] + np.arange(size)))
+            buckets.append((gi, (starts[gi][:, None] + np.arange(size)).ravel(), size))
     mean, sd = np.zeros(n_groups), np.zeros(n_groups)
     adv = np.zeros(len(rewards), dtype=np.float32)
     equal = np.ones(n_groups, dtype=bool)
-    for gi, rows in buckets:                                  # rows: (k, G) row numbers
-        r = rewards[rows]                                     # (k, G)
-        size = r.shape[1]
+    for gi, rows, size in buckets:
+        r = rewards[rows].reshape(-1, size)                   # (k, G)
         m = r.sum(axis=1, keepdims=True) / size               # (k, 1), as np.mean
-        mean[gi] = m[:, 0]
-        eq = r.max(axis=1) == r.min(axis=1)
-        equal[gi] = eq
-        if eq.all():
-            continue
-        keep = ~eq
-        rows, r, m = rows[keep], r[keep], m[keep]
+        eq = r.max(axis=1) == r.min(axis=1)                   # (k,)
         dev = r - m
-        s = np.sqrt((dev * dev).sum(axis=1, keepdims=True) / (size - (std == "sample")))  # as np.std
-        sd[gi[keep]] = s[:, 0]
-        adv[rows] = (dev if std == "none" else dev / (s + eps)).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):  # G = 1 with ddof = 1: all-equal anyway
+            s = np.sqrt((dev * dev).sum(axis=1, keepdims=True) / (size - (std == "sample")))  # as np.std
+            a = (dev if std == "none" else dev / (s + eps)).astype(np.float32)
+        s[eq] = 0.0
+        a[eq] = 0.0
+        mean[gi], sd[gi], equal[gi], adv[rows] = m[:, 0], s[:, 0], eq, a.ravel()
     return mean, sd, adv, equal
 
 
