@@ -130,6 +130,45 @@ def test_staleness_limit_is_never_exceeded(tmp_path, model_folder):  # noqa: F81
     assert m == {"e": 4, "s": 1.0}
 
 
+def test_waits_for_a_live_generator_and_trains_on_policy(tmp_path, model_folder):  # noqa: F811
+    """A generator thread writes 2 groups stamped with each new version as soon as LATEST shows it."""
+    import dataclasses
+    import threading
+
+    from buffer import ShardWriter
+
+    pool = [g for g in sampled(str(model_folder), 24) if len({c.reward for c in g.completions}) > 1][:10]
+    store = WeightStore(tmp_path / "weights")
+    errors = []
+
+    def generator():
+        try:
+            writer = ShardWriter(tmp_path / "buffer", generator_id="gen0", flush_groups=2, flush_seconds=None)
+            for v in range(5):
+                deadline = time.time() + 120
+                while store.latest() is None or store.latest() < v:
+                    assert time.time() < deadline, f"v{v} never published"
+                    time.sleep(0.01)
+                for g in pool[2 * v:2 * v + 2]:
+                    writer.append(dataclasses.replace(g, version=store.latest()))
+        except Exception as e:  # noqa: BLE001 - reported by the test below
+            errors.append(e)
+
+    thread = threading.Thread(target=generator)
+    thread.start()
+    cfg = TrainerConfig(groups_per_step=2, max_steps=5, max_staleness=0, poll_seconds=0.02, max_wait_seconds=60,
+                        **{**FAST, "publish_every": 1})
+    run_trainer(tmp_path, cfg, model_folder=model_folder)
+    thread.join(timeout=60)
+    assert not errors, errors
+    rows = BufferSQL(tmp_path).query('SELECT step, "staleness/max" s, "time/wait_s" w FROM metrics ORDER BY step')
+    assert rows.column("step").to_pylist() == [1, 2, 3, 4, 5]
+    assert rows.column("s").to_pylist() == [0.0] * 5                  # on-policy: each batch sampled by v = step - 1
+    assert min(rows.column("w").to_pylist()[1:]) > 0                   # it waited for the generator each step
+    consumed = BufferSQL(tmp_path).query("SELECT count(DISTINCT group_id) n, max(staleness) s FROM consumed")
+    assert consumed.to_pylist() == [{"n": 10, "s": 0}]
+
+
 def test_sigterm_while_waiting_checkpoints_and_exits_0(tmp_path, model_folder):  # noqa: F811
     write_buffer(tmp_path, [g for g in sampled(str(model_folder), 12)
                             if len({c.reward for c in g.completions}) > 1][:3])
