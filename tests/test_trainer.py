@@ -169,6 +169,7 @@ def test_waits_for_a_live_generator_and_trains_on_policy(tmp_path, model_folder)
     assert consumed.to_pylist() == [{"n": 10, "s": 0}]
 
 
+@pytest.mark.slow
 def test_sigterm_while_waiting_checkpoints_and_exits_0(tmp_path, model_folder):  # noqa: F811
     write_buffer(tmp_path, [g for g in sampled(str(model_folder), 12)
                             if len({c.reward for c in g.completions}) > 1][:3])
@@ -199,6 +200,7 @@ def _consumed_by_step(run):
     return out
 
 
+@pytest.mark.slow
 def test_kill_9_mid_step_then_resume_continues_exactly(tmp_path, model_folder, caplog):  # noqa: F811
     """kill -9 right after the pull of step 5 (checkpoint at 3); the resumed run equals an unbroken one."""
     groups = [g for g in sampled(str(model_folder), 48) if len({c.reward for c in g.completions}) > 1][:16]

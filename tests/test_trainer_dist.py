@@ -18,6 +18,7 @@ CFG = {"groups_per_step": 3, "max_steps": 2, "micro_batch_size": 5, "num_iterati
        "lr": 1e-3, "loss": {"beta": 0.05}, "metrics_flush_seconds": 0.0}
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path, model_folder):  # noqa: F811
     torch.set_num_threads(1)
     groups = [g for g in sampled(str(model_folder), 12, temperature=0.8)

@@ -100,8 +100,7 @@ def _loop(s: Session) -> str:
         _log_step(row)
         if s.step % cfg.checkpoint_every == 0:
             _checkpoint(s)
-        if s.stop.requested:
-            return "signal"
+        # A signal during the step is seen by the next _wait_and_pull, which tells every rank.
 
 
 def _next_batch(s: Session):
