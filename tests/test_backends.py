@@ -225,3 +225,17 @@ def test_errors_name_the_bad_value(backend):
         make_backend("tgi", "/nonexistent")
     assert backend.generate([], n=2, sampling=SamplingConfig()) == []
     assert math.isfinite(backend.generate(["1"], n=1, sampling=SamplingConfig(max_new_tokens=1))[0][0].logprobs[0])
+
+
+def test_cache_copy_fallback_gives_the_same_rollouts(model_folders, backend):
+    # Models with sliding-window or soft-capped attention decode through a copied cache
+    # (batch_repeat_interleave); both paths must sample the same tokens with the same log-probs.
+    copy = HFBackend(model_folders[0])
+    copy.prefix_sharing = False
+    sampling = SamplingConfig(temperature=0.9, max_new_tokens=10)
+    want = backend.generate(PROMPTS, n=4, sampling=sampling, seed=21)
+    got = copy.generate(PROMPTS, n=4, sampling=sampling, seed=21)
+    assert [[r.token_ids for r in g] for g in got] == [[r.token_ids for r in g] for g in want]
+    worst = max(abs(a - b) for g, h in zip(got, want) for r, s in zip(g, h) for a, b in zip(r.logprobs, s.logprobs))
+    assert worst < 1e-5
+    assert backend.prefix_sharing and backend.model.config._attn_implementation == "sdpa"

