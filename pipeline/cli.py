@@ -27,8 +27,9 @@ def _user_error_types() -> tuple[type[Exception], ...]:
     from workers.checks import ConfigError
     from workers.model import ModelError
     from workers.tasks import TaskError
+    from workers.trainer.session import TrainerError
 
-    return BufferError, ConfigError, ModelError, RunError, TaskError
+    return BufferError, ConfigError, ModelError, RunError, TaskError, TrainerError
 
 
 def _user_errors(fn):

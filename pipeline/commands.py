@@ -115,7 +115,8 @@ def generate(run_dir: str, index: int, overrides: tuple[str, ...]) -> None:
 
 
 @main.command()
-@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@click.option("--run", "--run-dir", "run_dir", required=True, type=click.Path(file_okay=False),
+              help="Run directory (--run-dir under torchrun, whose parser claims --run).")
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint (exactly: the ledger is "
               "rolled back to it).")
 @click.option("--offline", is_flag=True, help="Train from the buffer as it is, with no generators "
@@ -133,7 +134,7 @@ def train(run_dir: str, resume: bool, offline: bool, overrides: tuple[str, ...])
     Examples:
       asyncgrpo train --run runs/default --resume
       asyncgrpo train --run runs/old --offline --set trainer.max_steps=50
-      torchrun --nproc_per_node 2 -m pipeline train --run runs/default
+      torchrun --standalone --nproc_per_node 2 -m pipeline train --run-dir runs/default
     """
     from pipeline.run import read_run_info
     from workers.trainer import run_trainer

@@ -85,7 +85,16 @@ def build(cls, data: dict, prefix: str = ""):
             near = difflib.get_close_matches(k, names, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(names)}"
             raise ConfigError(f"unknown key {_join(prefix, k)!r}{hint}")
-    kwargs = {k: _coerce(v, hints[k], _join(prefix, k)) for k, v in data.items()}
+    defaults = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict):
+            # A partial table overrides the field's own default, not the nested class's defaults
+            # (TrainerConfig.loss defaults to objective="decoupled"; PolicyLossConfig to "bypass").
+            f = defaults[k]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            v = merge(to_dict(default), v)
+        kwargs[k] = _coerce(v, hints[k], _join(prefix, k))
     try:
         return cls(**kwargs)
     except ConfigError as e:

@@ -98,3 +98,12 @@ def test_cli_config_errors_exit_2_and_start_nothing(tmp_path, args, message):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "r" / "logs").exists()  # nothing started
+
+
+def test_partial_nested_table_keeps_the_fields_own_default(tmp_path):
+    # TrainerConfig.loss defaults to the decoupled objective; setting one loss field must not
+    # fall back to PolicyLossConfig's class default ("bypass").
+    base = Config().trainer.loss.objective
+    assert load_config(None, ["trainer.loss.beta=0.1"]).trainer.loss.objective == base
+    cfg = load_config(_write(tmp_path, "[trainer.loss]\nepsilon = 0.1\n"))
+    assert cfg.trainer.loss.objective == base and cfg.trainer.loss.epsilon == 0.1

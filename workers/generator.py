@@ -189,7 +189,7 @@ def _wait_for_weights(store, cfg: GeneratorConfig, stop: StopFlag) -> int | None
 
 def _maybe_reload(store, backend, version: int, generator_id: str) -> int:
     newest = store.latest()
-    if newest is None or newest <= version:
+    if newest is None or newest == version:  # != rather than >: a resumed trainer moves LATEST back
         return version
     try:
         backend.load_weights(store.folder(newest))
