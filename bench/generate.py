@@ -22,9 +22,15 @@ method finds a previous repetition's prompts in a cache; within a repetition eve
 method gets the same prompts. The two HF methods alternate which goes first. After
 one untimed warm-up of each method, the median over `--repeats` of tokens / second,
 tokens = completion tokens actually generated (up to and including <eos>; the random
-model ends about 40% of rows early). `speedup` = prefix_shared / naive.
-`load_avg_1m` is the machine's load when the run ended: these machines are shared,
-so compare runs made under similar load.
+model ends about 40% of rows early). `speedup` = prefix_shared / naive (of the
+medians); `speedup_paired` = the median of the per-repetition ratios, which moves
+less when the machine's load changes during the run.
+
+`load_avg_1m` is the machine's load when the run ended. These machines are shared:
+with more runnable processes than cores, two torch threads stall on each other at
+every small matmul (a decode step is ~30 of them) and both methods slow down 4-10x,
+prefix sharing the most since it is decode-bound; compare runs made under similar
+load, or use `--threads 1`.
 """
 
 from __future__ import annotations
@@ -148,6 +154,7 @@ def main() -> None:
         "prefix_shared_tok_per_s": round(result["prefix_shared"], 1),
         "naive_tok_per_s": round(result["naive"], 1),
         "speedup": round(result["prefix_shared"] / result["naive"], 3),
+        "speedup_paired": round(statistics.median(a / b for a, b in zip(rates["prefix_shared"], rates["naive"])), 3),
         "prompts": N, "prompt_len": args.prompt_len, "group": G, "new_tokens": C,
         "repeats": args.repeats, "threads": args.threads,
         "runs_tok_per_s": {k: [round(x) for x in v] for k, v in rates.items()},
