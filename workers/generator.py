@@ -124,7 +124,10 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     version = _wait_for_weights(store, cfg, stop)
     if version is None:
         return {"groups": 0, "filtered": 0, "tokens": 0, "seconds": 0.0}
-    backend = make_backend(cfg.backend, store.folder(version), dtype=model_dtype, device=device, seed=seed)
+    # vLLM returns tempered log-probs of the untruncated distribution only when asked for all of them.
+    options = {"full_vocab_logprobs": cfg.sampling.truncated} if cfg.backend == "vllm" else {}
+    backend = make_backend(cfg.backend, store.folder(version), dtype=model_dtype, device=device, seed=seed,
+                           **options)
     log.info("generator %s: loaded weights v%d (%s backend)", generator_id, version, cfg.backend)
     writer = ShardWriter(run / "buffer", generator_id=generator_id, flush_groups=cfg.flush_groups,
                          flush_seconds=cfg.flush_seconds)
