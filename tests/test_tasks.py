@@ -21,9 +21,9 @@ def test_arithmetic_is_deterministic_by_seed():
 
 
 def test_arithmetic_splits_are_disjoint_and_sized_by_the_mix():
-    task = load_task(TaskConfig())  # the defaults: 6000 train, 200 eval, mix 0.7 / 0.1 / 0.1 / 0.1
-    assert Counter(p.level for p in task.train) == {"add2": 4200, "add3": 600, "sub2": 600, "mul1": 600}
-    assert Counter(p.level for p in task.eval) == {"add2": 140, "add3": 20, "sub2": 20, "mul1": 20}
+    task = load_task(TaskConfig())  # the defaults: 6000 train, 200 eval, mix 0.85 / 0.05 / 0.05 / 0.05
+    assert Counter(p.level for p in task.train) == {"add2": 5100, "add3": 300, "sub2": 300, "mul1": 300}
+    assert Counter(p.level for p in task.eval) == {"add2": 170, "add3": 10, "sub2": 10, "mul1": 10}
     train_texts = {p.text for p in task.train}
     assert len(train_texts) == len(task.train)
     assert not train_texts & {p.text for p in task.eval}

@@ -88,14 +88,14 @@ class LevelMix:
     """Relative weights (>= 0, positive sum) of the arithmetic levels; each split has these
     proportions exactly (largest remainder rounding)."""
 
-    add2: float = 0.7
-    """a+b with a, b in 0..99: the bulk, learnable by GRPO within minutes."""
-    add3: float = 0.1
-    """a+b with a, b in 100..999."""
-    sub2: float = 0.1
-    """a-b with a, b in 0..99 and a >= b."""
-    mul1: float = 0.1
-    """a*b with a in 10..99, b in 2..9 (720 distinct prompts)."""
+    add2: float = 0.85
+    """a+b with a, b in 0..99: the bulk, which GRPO improves within minutes."""
+    add3: float = 0.05
+    """a+b with a, b in 100..999 (hard after the default warm start: mostly all-wrong groups)."""
+    sub2: float = 0.05
+    """a-b with a, b in 0..99 and a >= b (hard after the default warm start)."""
+    mul1: float = 0.05
+    """a*b with a in 10..99, b in 2..9; 720 distinct prompts (hard after the default warm start)."""
     mul2: float = 0.0
     """a*b with a, b in 10..99: out of reach within minutes."""
 

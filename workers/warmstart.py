@@ -8,9 +8,8 @@ train prompts gets it to the point where sampling sometimes succeeds:
 
 (prompt tokens carry no loss), AdamW, constant learning rate, batches drawn
 epoch by epoch from a seeded permutation of the train prompts, stopped after
-`steps` steps. The default step count stops it half-way through learning
-2-digit addition, leaving GRPO clear room to improve (see the module
-`DEFAULT_STEPS` note).
+`steps` steps. The default step count stops it part-way through learning
+2-digit addition, leaving GRPO clear room to improve (see `DEFAULT_STEPS`).
 
 `cached_model` builds the embedded model and warm-starts it once per
 (task config, warm-start config); later calls return the cached folder.
@@ -37,8 +36,12 @@ log = logging.getLogger("asyncgrpo.warmstart")
 CACHE_VERSION = 1
 """Bumped when the warm start's code changes what it builds, so old cache entries are not reused."""
 
-DEFAULT_STEPS = 450
-"""Measured with the default task (seed 0, 2 threads): see the table in the report / README."""
+DEFAULT_STEPS = 510
+"""Measured on the default task (seed 0; the same on 1 and 2 threads), eval split, greedy / T=1:
+step 480: 16.5% / 8%; 500: 22.5% / 10.5%; 510: 27.5% / 19%; 520: 37% / 20%; 540: 44.5% / 20.5%;
+600: 62% / 46% (the hard levels stay near 0). 2-digit addition is learned in a sharp jump around
+here; stopping inside it leaves GRPO a model that is sometimes right when sampling (a signal)
+and far from its ceiling (room). About 60 s on 2 threads at ~120 ms a step."""
 
 
 @dataclass(frozen=True)
