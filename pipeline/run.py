@@ -191,7 +191,7 @@ def prepare_model(cfg: Config, echo=print) -> Path:
 
     echo(f"preparing the embedded tiny model (warm start of {cfg.warmstart.steps} steps; cached in "
          f"{cfg.model.cache_dir})")
-    return cached_model(Path(cfg.model.cache_dir), cfg.task, cfg.warmstart)
+    return cached_model(Path(cfg.model.cache_dir), cfg.task, cfg.warmstart, progress=True)
 
 
 def evaluate_folder(cfg: Config, folder: Path) -> float:

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import run_cli
 
-COMMANDS = ["sql", "status", "compact", "demo"]
+COMMANDS = ["sql", "status", "compact", "demo", "run", "generate", "train", "eval", "init-model", "warmstart",
+            "config"]
 
 
 @pytest.fixture(scope="module")
