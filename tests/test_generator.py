@@ -139,3 +139,15 @@ def test_reloads_new_weights_and_sigterm_flushes(tmp_path, tiny):
 def test_missing_weights_folder_and_run_dir_are_clear_errors(tmp_path):
     r = run_cli("generate", "--run", str(tmp_path / "nope"))
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_trainer_refuses_a_buffer_written_with_another_tokenizer(tmp_path, tiny):
+    from buffer import ShardWriter
+    from conftest import make_group
+
+    run = make_run(tmp_path, tiny, publish=False)
+    with ShardWriter(run / "buffer") as w:      # prompt "1+2=" stored with ids [1, 2, 3]
+        w.append(make_group(0, [0.0, 1.0]))
+    r = run_cli("train", "--run", str(run), timeout=180)
+    assert r.returncode == 2, r.stderr
+    assert "another tokenizer" in r.stderr and "Traceback" not in r.stderr
