@@ -152,7 +152,6 @@ def train(run_dir: str, resume: bool, offline: bool, overrides: tuple[str, ...])
 
 def _check_model_matches_buffer(run_dir: Path, model: Path) -> None:
     """A buffer written with another tokenizer would train on garbage: refuse it."""
-    import pyarrow.compute as pc
 
     from buffer import BufferDir, BufferSQL
     from workers.model import load_tokenizer

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pipeline.schema import build, merge, set_path, to_dict
+from pipeline.schema import build, set_path, to_dict
 from workers.checks import ConfigError, is_int, is_num, require
 from workers.generator import GeneratorConfig
 from workers.rewards import RewardConfig
@@ -183,4 +183,4 @@ def with_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "RunConfig", "load_config", "load_run_config",
-           "merge", "parse_override", "replace", "save_config", "with_overrides"]
+           "parse_override", "save_config", "with_overrides"]
