@@ -124,10 +124,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     """The config from TOML file `path` (None: the defaults) with `--set` overrides on top."""
     data = read_toml(path) if path is not None else {}
     where = f"config file {str(path)!r}" if path is not None else "config"
+    return _resolve(data, overrides, f"{where} with --set" if overrides else where)
+
+
+def _resolve(data: dict, overrides, where: str) -> Config:
+    """`data` with `--set` overrides laid on it, built and checked; errors say `where`."""
     for item in overrides:
         key, value = parse_override(item)
         data = set_path(data, key, value)
-        where = f"{where} with --set"
     try:
         cfg = build(Config, data)
         check_consistency(cfg)
@@ -170,16 +174,7 @@ def load_run_config(run_dir: str | os.PathLike) -> Config:
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:
     """`cfg` with `--set` overrides laid on it."""
-    data = to_dict(cfg)
-    for item in overrides:
-        key, value = parse_override(item)
-        data = set_path(data, key, value)
-    try:
-        out = build(Config, data)
-        check_consistency(out)
-    except ConfigError as e:
-        raise ConfigError(f"--set: {e}") from None
-    return out
+    return _resolve(to_dict(cfg), overrides, "--set")
 
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "RunConfig", "load_config", "load_run_config",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import random
 import re
-import uuid
+from buffer.layout import atomic_file
 from dataclasses import asdict
 from pathlib import Path
 
@@ -69,16 +69,8 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, version: int, model, 
         "config": _plain(asdict(config)), "extra": extra or {},
     }
     final = checkpoint_path(root, step)
-    tmp = tmp_dir / f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{final.name}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(tmp_dir, final) as f:
+        torch.save(state, f)
     for _, p in list_checkpoints(root)[:-keep]:
         p.unlink(missing_ok=True)
     return final

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
-import uuid
+from buffer.layout import atomic_file
 from pathlib import Path
 
 import pyarrow as pa
@@ -138,14 +138,6 @@ class MetricsWriter:
 
     def _write(self, table: pa.Table, first: int, last: int) -> Path:
         final = self.root / f"steps-{first:09d}-{last:09d}.parquet"
-        tmp = self.tmp / f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{final.name}"
-        try:
-            with open(tmp, "wb") as f:
-                pq.write_table(table, f, compression="zstd")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with atomic_file(self.tmp, final) as f:
+            pq.write_table(table, f, compression="zstd")
         return final
