@@ -95,6 +95,13 @@ def check_generate_args(prompts: list[str], n: int) -> None:
         raise ValueError(f"n (completions per prompt) must be an integer >= 1, got {n!r}")
 
 
+def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Prompt token ids as both backends feed them (with the tokenizer's special tokens, e.g. <bos>)."""
+    if not prompts:
+        return []
+    return [list(ids) for ids in tokenizer(list(prompts), add_special_tokens=True)["input_ids"]]
+
+
 def stop_token_ids(folder: Path, tokenizer) -> frozenset[int]:
     """The ids that end a completion: the tokenizer's eos and the generation config's eos ids."""
     import json

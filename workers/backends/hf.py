@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from workers.backends.base import (BackendError, Rollout, SamplingConfig, check_generate_args,
-                                   check_lengths, finish, stop_token_ids)
+                                   check_lengths, encode_prompts, finish, stop_token_ids)
 from workers.checks import is_int
 from workers.model import check_model_folder, load_model, load_tokenizer
 
@@ -179,9 +179,7 @@ class HFBackend:
     # -- interface ---------------------------------------------------------------------------------
 
     def prompt_token_ids(self, prompts: list[str]) -> list[list[int]]:
-        if not prompts:
-            return []
-        return [list(ids) for ids in self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]]
+        return encode_prompts(self.tokenizer, prompts)
 
     def generate(self, prompts: list[str], n: int, sampling: SamplingConfig,
                  seed: int | None = None) -> list[list[Rollout]]:

@@ -42,7 +42,7 @@ import random
 from pathlib import Path
 
 from workers.backends.base import (BackendError, Rollout, SamplingConfig, check_generate_args,
-                                   check_lengths, finish, stop_token_ids)
+                                   check_lengths, encode_prompts, finish, stop_token_ids)
 from workers.checks import is_int
 from workers.model import check_model_folder, load_tokenizer
 
@@ -131,9 +131,7 @@ class VllmBackend:
     # -- interface ---------------------------------------------------------------------------------
 
     def prompt_token_ids(self, prompts: list[str]) -> list[list[int]]:
-        if not prompts:
-            return []
-        return [list(ids) for ids in self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]]
+        return encode_prompts(self.tokenizer, prompts)
 
     def generate(self, prompts: list[str], n: int, sampling: SamplingConfig,
                  seed: int | None = None) -> list[list[Rollout]]:
