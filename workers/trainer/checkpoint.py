@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import random
 import re
-from buffer.layout import atomic_file
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from buffer.layout import atomic_file
 
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d+)\.pt$")

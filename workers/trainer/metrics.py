@@ -14,13 +14,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from buffer.layout import atomic_file
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+
+from buffer.layout import atomic_file
 
 # policy_loss metrics that are sums over micro-batches (global normaliser or counts);
 # each is divided by the number of inner epochs, so a step reports one epoch's worth.
