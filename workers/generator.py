@@ -31,6 +31,7 @@ from typing import Literal
 
 from workers.backends.base import SamplingConfig
 from workers.checks import is_int, is_num, require
+from workers.model import ModelError
 from workers.scheduler import SchedulerConfig
 
 log = logging.getLogger("asyncgrpo.generator")
@@ -121,13 +122,20 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     store = WeightStore(run / "weights")
-    version = _wait_for_weights(store, cfg, stop)
-    if version is None:
-        return {"groups": 0, "filtered": 0, "tokens": 0, "seconds": 0.0}
     # vLLM returns tempered log-probs of the untruncated distribution only when asked for all of them.
     options = {"full_vocab_logprobs": cfg.sampling.truncated} if cfg.backend == "vllm" else {}
-    backend = make_backend(cfg.backend, store.folder(version), dtype=model_dtype, device=device, seed=seed,
-                           **options)
+    backend = None
+    while backend is None:
+        version = _wait_for_weights(store, cfg, stop)
+        if version is None:
+            return {"groups": 0, "filtered": 0, "tokens": 0, "seconds": 0.0}
+        try:
+            backend = make_backend(cfg.backend, store.folder(version), dtype=model_dtype, device=device,
+                                   seed=seed, **options)
+        except (FileNotFoundError, ModelError):
+            if store.folder(version).is_dir():
+                raise
+            log.info("weights v%d were pruned while loading; reading LATEST again", version)
     log.info("generator %s: loaded weights v%d (%s backend)", generator_id, version, cfg.backend)
     writer = ShardWriter(run / "buffer", generator_id=generator_id, flush_groups=cfg.flush_groups,
                          flush_seconds=cfg.flush_seconds)
@@ -196,7 +204,9 @@ def _maybe_reload(store, backend, version: int, generator_id: str) -> int:
         return version
     try:
         backend.load_weights(store.folder(newest))
-    except FileNotFoundError:  # pruned between LATEST and the read: the next poll sees a newer one
+    except (FileNotFoundError, ModelError):  # pruned between LATEST and the read: the next poll sees a newer one
+        if store.folder(newest).is_dir():
+            raise
         return version
     log.info("generator %s: reloaded weights v%d -> v%d", generator_id, version, newest)
     return newest
