@@ -6,7 +6,7 @@ the CLI all come here through files.
 
 from buffer.compaction import CompactionReport, compact
 from buffer.index import STATE_NAMES, GroupIndex, admission_limit
-from buffer.layout import BufferDir, BufferError, find_buffer
+from buffer.layout import BufferDir, BufferError, StorageError, find_buffer
 from buffer.sampler import ORDERS, Batch, Sampler
 from buffer.schema import LEDGER_SCHEMA, ROLLOUT_COLUMN_DOCS, ROLLOUT_SCHEMA, staleness
 from buffer.sql import BufferSQL, SqlError, check_read_only
@@ -15,6 +15,6 @@ from buffer.writer import Completion, Group, ShardWriter, filter_reason, group_r
 __all__ = [
     "Batch", "BufferDir", "BufferError", "BufferSQL", "CompactionReport", "Completion", "Group",
     "GroupIndex", "LEDGER_SCHEMA", "ORDERS", "ROLLOUT_COLUMN_DOCS", "ROLLOUT_SCHEMA", "STATE_NAMES",
-    "Sampler", "ShardWriter", "SqlError", "admission_limit", "check_read_only", "compact",
+    "Sampler", "ShardWriter", "SqlError", "StorageError", "admission_limit", "check_read_only", "compact",
     "filter_reason", "find_buffer", "group_reward_stats", "staleness",
 ]

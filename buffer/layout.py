@@ -22,6 +22,7 @@ row twice and never misses one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -43,12 +44,38 @@ class BufferError(Exception):
     """A problem with a buffer a user can act on; the message says what and where."""
 
 
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+class StorageError(BufferError, OSError):
+    """A file could not be written: disk full, file-size limit, read-only filesystem, no permission.
+
+    Still an OSError (errno and filename kept), and a user error: the message names
+    the file and what to do. What was published before stays as it was.
+    """
+
+    def __init__(self, path: str | os.PathLike, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause), str(path))
+
+    def __str__(self) -> str:
+        if self.errno in _FULL:
+            todo = "free disk space (or raise the file-size limit), then start the daemon again"
+        elif self.errno in _READ_ONLY:
+            todo = "the directory is read-only or not writable by this user; make it writable or use another"
+        else:
+            todo = "check the filesystem, then start the daemon again"
+        return (f"cannot write {self.filename}: {self.strerror} [{errno.errorcode.get(self.errno, self.errno)}]; "
+                f"{todo}; files written before are intact")
+
+
 @contextmanager
 def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[BinaryIO]:
     """A binary file that appears at `final` only when the block succeeds.
 
     Written under a temp name in `tmp_dir`, fsynced, then renamed; if the block
-    raises, the temp file is removed and `final` is untouched.
+    raises, the temp file is removed and `final` is untouched. An OSError (disk
+    full, read-only) comes out as a StorageError naming `final`.
     """
     tmp = tmp_dir / tmp_name(final.name)
     try:
@@ -58,8 +85,13 @@ def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[B
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only directory: there is no temp file either
+        if isinstance(e, OSError) and not isinstance(e, StorageError) and e.errno is not None:
+            raise StorageError(final, e) from e
         raise
 
 

@@ -6,7 +6,9 @@ Heavy imports (pyarrow, duckdb, later torch) happen inside commands, so
 
 from __future__ import annotations
 
+import errno
 import sys
+import warnings
 
 import click
 
@@ -42,7 +44,24 @@ def _user_errors(fn):
             return fn(*args, **kwargs)
         except _user_error_types() as e:
             raise UserError(str(e)) from None
+        except OSError as e:
+            if e.errno not in _ENVIRONMENT_ERRNOS:
+                raise
+            raise UserError(_environment_message(e)) from None
     return wrapper
+
+
+# Disk full, file-size limit, quota, read-only filesystem, no permission: the machine, not a bug.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _environment_message(e: OSError) -> str:
+    """One paragraph for an OSError raised below the library's own checks (e.g. a lock file)."""
+    from buffer.layout import StorageError
+
+    if isinstance(e, StorageError):
+        return str(e)
+    return str(StorageError(e.filename or "a file", e))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -57,6 +76,12 @@ def main() -> None:
       asyncgrpo status runs/demo
       asyncgrpo sql runs/demo "SELECT version, avg(reward) FROM rollouts GROUP BY 1"
     """
+    warnings.showwarning = _show_warning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings (an unreadable shard left out) as one line, without Python's file and line."""
+    click.echo(f"asyncgrpo: warning: {message}", err=True)
 
 
 @main.command()

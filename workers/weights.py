@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
 import uuid
 from pathlib import Path
+
+from buffer.layout import StorageError, atomic_file
 
 LATEST = "LATEST"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -36,6 +39,17 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index
 
 def version_name(version: int) -> str:
     return f"v{version:08d}"
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed save: itself, or safetensors' "I/O error: ... (os error 28)"."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e
+    m = re.search(r"\(os error (\d+)\)", str(e)) if isinstance(e, Exception) else None
+    if m is not None:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code))
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -113,12 +127,29 @@ class WeightStore:
                         os.fsync(f.fileno())
             _fsync_dir(tmp)
             os.replace(tmp, final)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            cause = _os_error(e)
+            if cause is not None:   # disk full, read-only: LATEST still names the last complete version
+                raise StorageError(final, cause) from e
             raise
         _fsync_dir(self.root)
         self.set_latest(version)
         return final
+
+    def is_complete(self, version: int) -> bool:
+        """Whether the folder of `version` holds what publish writes: config.json, weights, weights.json."""
+        folder = self.folder(version)
+        return ((folder / "config.json").is_file() and (folder / "weights.json").is_file()
+                and any(folder.glob("*.safetensors")))
+
+    def set_aside(self, version: int, reason: str) -> Path:
+        """Move a damaged version folder to abandoned/ with a reason file; returns where it went."""
+        self.abandoned.mkdir(parents=True, exist_ok=True)
+        dest = self.abandoned / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-damaged-{version_name(version)}"
+        os.replace(self.folder(version), dest)
+        (dest.parent / f"{dest.name}.reason.json").write_text(json.dumps({"version": version, "reason": reason}))
+        return dest
 
     def _copy_source_files(self, dest: Path) -> None:
         for p in self.source.iterdir():
@@ -128,13 +159,12 @@ class WeightStore:
 
     def set_latest(self, version: int) -> None:
         """Replace LATEST atomically (temp file, fsync, rename)."""
-        self.tmp.mkdir(parents=True, exist_ok=True)
-        tmp = self.tmp / f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{LATEST}"
-        with open(tmp, "w") as f:
-            f.write(f"{version}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.root / LATEST)
+        try:
+            self.tmp.mkdir(parents=True, exist_ok=True)
+            with atomic_file(self.tmp, self.root / LATEST) as f:
+                f.write(f"{version}\n".encode())
+        except OSError as e:
+            raise e if isinstance(e, StorageError) else StorageError(self.root / LATEST, e) from e
 
     def prune(self, keep: int) -> list[int]:
         """Delete all but the `keep` newest versions (never the one LATEST names); returns those deleted."""

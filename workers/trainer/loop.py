@@ -60,7 +60,7 @@ def run_trainer(run_dir: str | os.PathLike, cfg: TrainerConfig, *, model_folder:
         if s is not None and s.publisher is not None:
             try:
                 s.publisher.wait()  # never leave a publication half-done behind a crash elsewhere
-            except RuntimeError:
+            except (RuntimeError, OSError):
                 log.exception("publishing failed")
         if s is not None and s.sampler is not None:
             s.sampler.close()

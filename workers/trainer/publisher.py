@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from buffer.layout import StorageError
 from workers.weights import WeightStore
 
 
@@ -67,4 +68,6 @@ class Publisher:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, StorageError):
+                raise error  # already names the folder and what to do; LATEST is unchanged
             raise RuntimeError(f"publishing weights to {self.store.root} failed: {error}") from error

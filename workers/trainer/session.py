@@ -16,6 +16,7 @@ so the steps after k are taken again, on the groups they would have taken.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -140,7 +141,7 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
     if checkpoints and not resume:
         raise TrainerError(f"run {str(run)!r} has checkpoints (newest: step {checkpoints[-1][0]}); pass "
                            "--resume to continue it, or start a new run directory")
-    state = load_checkpoint(checkpoints[-1][1]) if resume and checkpoints else None
+    state = _newest_readable_checkpoint(run / "checkpoints", checkpoints) if resume and checkpoints else None
     if resume and state is None:
         log.info("no checkpoint in %s: starting from %s", run / "checkpoints", model_folder)
 
@@ -181,6 +182,34 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
     return s
 
 
+def _newest_readable_checkpoint(ckpt_dir: Path, checkpoints: list[tuple[int, Path]]) -> dict:
+    """The newest checkpoint that loads; unreadable newer ones move to checkpoints/damaged/ with a reason.
+
+    Checkpoints are written atomically, so only damage on disk makes one unreadable;
+    resuming from the one before it repeats a few steps (the ledger is rolled back to it).
+    If none loads, nothing is moved and the error names them all.
+    """
+    import json
+
+    failures = []
+    for step, path in reversed(checkpoints):
+        try:
+            state = load_checkpoint(path)
+        except Exception as e:  # noqa: BLE001 - any unpickling or format error means unusable
+            failures.append((path, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]))
+            continue
+        damaged = ckpt_dir / "damaged"
+        for bad, reason in failures:
+            damaged.mkdir(exist_ok=True)
+            os.replace(bad, damaged / bad.name)
+            (damaged / f"{bad.name}.reason.json").write_text(json.dumps({"file": bad.name, "reason": reason}))
+            log.warning("checkpoint %s is unreadable (%s); moved to %s, resuming from step %d",
+                        bad.name, reason, damaged, step)
+        return state
+    raise TrainerError("no checkpoint of this run can be read: " + "; ".join(f"{p} ({r})" for p, r in failures)
+                       + ". Restore one from a backup, or start a new run directory")
+
+
 def _open_files(s: Session, model_folder: Path, state: dict | None) -> None:
     """Rank 0: the buffer's sampler, the weights, metrics and checkpoints, rolled back to s.step."""
     from buffer import BufferDir, Sampler
@@ -205,6 +234,9 @@ def _open_files(s: Session, model_folder: Path, state: dict | None) -> None:
         log.info("moved weights of undone versions %s to %s", undone, s.weights.abandoned)
     s.publisher = Publisher(s.weights, model_folder, s.tokenizer, keep=s.cfg.keep_weights,
                             background=s.cfg.publish_background)
+    if s.weights.folder(s.version).exists() and not s.weights.is_complete(s.version):
+        moved = s.weights.set_aside(s.version, "incomplete: config.json, *.safetensors or weights.json missing")
+        log.warning("weights of version %d were incomplete; moved to %s and published again", s.version, moved)
     if not s.weights.folder(s.version).exists():
         s.publisher.publish(s.model, s.version, info={"step": s.step}, wait=True)
     elif s.weights.latest() != s.version:
