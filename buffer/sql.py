@@ -6,6 +6,8 @@ Views, rebuilt from the manifest on every query so they follow the daemons:
     groups       one row per group, with how often and when it was consumed
     consumed     the ledger: one row per (group, pull) by the trainer
     metrics      the trainer's per-step metrics (only when the run has written some)
+    generator_metrics  one row per generator batch: wait_s, seconds, ... (idle share =
+                 sum(wait_s) / sum(seconds); only when the run's generators have written some)
     quarantined  shards moved aside, with the reason
 
 An empty buffer gives empty views, not an error. A user's query cannot change
@@ -114,22 +116,33 @@ class BufferSQL:
         self.dir = BufferDir(self.buffer_root)
         run = self.buffer_root.parent if self.buffer_root.name == "buffer" else None
         self.metrics_dir = run / "metrics" if run is not None and (run / "metrics").is_dir() else None
+        gen = run / "generator_metrics" if run is not None else None
+        self.generator_metrics_dir = gen if gen is not None and gen.is_dir() else None
         self.quarantine = quarantine
         self.skipped: dict[str, str] = {}  # unreadable files left out: name -> reason
 
     def _files(self) -> tuple[list[Path], list[Path], list[Path]]:
+        """Rollout shards, ledger shards, and metrics files (the trainer's, then the generators')."""
         shards = [p for p in self.dir.live_shards() if p.name not in self.skipped]
         ledger = [p for p in self.dir.ledger_shards() if p.name not in self.skipped]
         metrics = sorted(self.metrics_dir.glob("*.parquet")) if self.metrics_dir else []
+        metrics += self._generator_metrics()
         metrics = [p for p in metrics if p.name not in self.skipped]
         return shards, ledger, metrics
+
+    def _generator_metrics(self) -> list[Path]:
+        d = self.generator_metrics_dir
+        return sorted(d.glob("*.parquet")) if d is not None else []
 
     def connect(self) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory connection with the views over the current files, locked down."""
         shards, ledger, metrics = self._files()
+        gen_metrics = [p for p in metrics if self.generator_metrics_dir is not None
+                       and p.parent == self.generator_metrics_dir]
+        metrics = [p for p in metrics if p not in gen_metrics]
         con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
                                                  "autoload_known_extensions": False})
-        con.execute("SET allowed_paths = ?", [[str(p) for p in shards + ledger + metrics]])
+        con.execute("SET allowed_paths = ?", [[str(p) for p in shards + ledger + metrics + gen_metrics]])
         rollouts = (f"SELECT * FROM read_parquet({_files_sql(shards)}, union_by_name = true)"
                     if shards else _empty_select(ROLLOUT_SCHEMA))
         consumed = (f"SELECT * FROM read_parquet({_files_sql(ledger)}, union_by_name = true)"
@@ -140,6 +153,9 @@ class BufferSQL:
         if metrics:
             con.execute(f"CREATE VIEW metrics AS SELECT * FROM read_parquet({_files_sql(metrics)}, "
                         "union_by_name = true)")
+        if gen_metrics:
+            con.execute("CREATE VIEW generator_metrics AS SELECT * FROM "
+                        f"read_parquet({_files_sql(gen_metrics)}, union_by_name = true)")
         con.execute("CREATE TABLE quarantined (file VARCHAR, reason VARCHAR, quarantined_at DOUBLE)")
         q = self.dir.quarantined()
         if q:

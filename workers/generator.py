@@ -6,31 +6,52 @@ Loop, top to bottom (DESIGN.md, "Generators"):
     repeat until stopped:
         reload the weights when a newer version is published
         admission: wait while admitted groups >= (max_staleness + t + 1) * groups_per_step
+          (flushing first: the trainer may be waiting for exactly those groups)
         take a batch of prompts from the scheduler
         sample G completions per prompt (behaviour log-probs included)
         score each completion; build the group; append it (the writer computes group
         mean/std, advantages and the filter flag, and flushes shards every N groups / T s)
         record each prompt's pass rate with the scheduler
+        one row of timings in <run>/generator_metrics (wait, reload, generate, score)
     on SIGTERM / SIGINT / a time or group limit: flush and return
 
 Every group carries the version of the weights that sampled it. Reward
 functions that fail give the configured fallback reward and a recorded error
 (`reward_error` column); the generator goes on.
+
+Staleness 0 is lockstep, i.e. synchronous GRPO: the generator samples with
+version t only until the trainer has its groups_per_step trainable groups of
+version t, then waits for version t + 1. Since a group beyond that need could
+only expire, at staleness 0 a batch is sized by the measured share of trainable
+(non-filtered) groups so that one batch usually fills the step, and trainable
+groups beyond the allowance are not appended but counted (`surplus_groups`).
+
+Idle time: every batch writes a row to `<run>/generator_metrics/` (SQL view
+`generator_metrics`), with `wait_s` (admission, i.e. waiting for the trainer
+or, in lockstep, for the next version; the first row also holds the wait for
+v0) and `seconds` (the whole iteration), so that
+
+    SELECT generator_id, sum(wait_s) / sum(seconds) AS idle_share FROM generator_metrics GROUP BY 1
+
+is the generator idle share.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from workers.backends.base import SamplingConfig
 from workers.checks import is_int, is_num, require
+from workers.generator_stats import GeneratorStats
 from workers.model import ModelError
 from workers.scheduler import SchedulerConfig
 
@@ -112,7 +133,7 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     """Run the generator loop until stopped; returns totals (groups, filtered, tokens, seconds)."""
     import torch
 
-    from buffer import GroupIndex, ShardWriter, admission_limit
+    from buffer import GroupIndex, ShardWriter, filter_reason
     from workers.backends import make_backend
     from workers.scheduler import PromptScheduler
     from workers.weights import WeightStore
@@ -122,66 +143,132 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     store = WeightStore(run / "weights")
+    started = time.time()
+    version = _wait_for_weights(store, cfg, stop)
+    if version is None:
+        return {"groups": 0, "filtered": 0, "tokens": 0, "seconds": 0.0}
+    waited_for_v0 = time.time() - started
     # vLLM returns tempered log-probs of the untruncated distribution only when asked for all of them.
     options = {"full_vocab_logprobs": cfg.sampling.truncated} if cfg.backend == "vllm" else {}
-    backend = None
-    while backend is None:
-        version = _wait_for_weights(store, cfg, stop)
-        if version is None:
-            return {"groups": 0, "filtered": 0, "tokens": 0, "seconds": 0.0}
-        try:
-            backend = make_backend(cfg.backend, store.folder(version), dtype=model_dtype, device=device,
-                                   seed=seed, **options)
-        except (FileNotFoundError, ModelError):
-            if store.folder(version).is_dir():
-                raise
-            log.info("weights v%d were pruned while loading; reading LATEST again", version)
+    backend = make_backend(cfg.backend, store.folder(version), dtype=model_dtype, device=device, seed=seed,
+                           **options)
     log.info("generator %s: loaded weights v%d (%s backend)", generator_id, version, cfg.backend)
     writer = ShardWriter(run / "buffer", generator_id=generator_id, flush_groups=cfg.flush_groups,
                          flush_seconds=cfg.flush_seconds)
+    stats = GeneratorStats(run, generator_id, writer.writer_id, cfg.flush_seconds)
+    stats.add(batch=0, version=version, started_at=started, wait_s=waited_for_v0,
+              reload_s=time.time() - started - waited_for_v0)   # start-up: waiting for v0, loading it
     index = GroupIndex(run / "buffer")
     scheduler = PromptScheduler(task.train, cfg.scheduler, seed=seed)
     scheduler.load_history(run / "buffer")
-    totals = {"groups": 0, "filtered": 0, "tokens": 0, "reward_errors": 0, "admission_wait_s": 0.0}
-    started = last_log = time.time()
+    trainable = TrainableShare()
+    totals = {"groups": 0, "filtered": 0, "tokens": 0, "reward_errors": 0, "admission_wait_s": 0.0,
+              "surplus_groups": 0}
+    last_log = time.time()
     batch_seed = seed * 1_000_003
     try:
         while not stop:
-            version = _maybe_reload(store, backend, version, generator_id)
-            allowance, waited = _admit(index, writer, admission, store, stop, cfg)
+            t_start = time.time()
+            version, reload_s = _timed_reload(store, backend, version, generator_id)
+            allowance, waited = _admit(index, writer, trainable, admission, store, stop, cfg, stats)
             totals["admission_wait_s"] += waited
             if stop:
+                stats.add(batch=stats.batches + 1, version=version, started_at=t_start, wait_s=waited,
+                          reload_s=reload_s)
                 break
-            version = _maybe_reload(store, backend, version, generator_id)
-            n = cfg.prompts_per_batch if allowance is None else min(cfg.prompts_per_batch, allowance)
+            version, reload2_s = _timed_reload(store, backend, version, generator_id)
+            n = _batch_size(cfg, admission, allowance, trainable)
             if cfg.max_groups is not None:
                 n = min(n, cfg.max_groups - totals["groups"])
             prompts = scheduler.next_batch(n)
             batch_seed += 1
+            t_gen = time.time()
             rollouts = backend.generate([p.text for p in prompts], n=cfg.num_generations,
                                         sampling=cfg.sampling, seed=batch_seed)
             prompt_ids = backend.prompt_token_ids([p.text for p in prompts])
+            t_score = time.time()
+            row = {"prompts": len(prompts), "groups": 0, "filtered": 0, "surplus_groups": 0, "tokens": 0}
+            room = allowance if admission.max_staleness == 0 else None  # lockstep: no group can wait
             for p, pids, group_rollouts in zip(prompts, prompt_ids, rollouts):
                 group = _score_group(p, pids, group_rollouts, scorer, version, task.name, cfg.sampling)
-                writer.append(group)
+                filtered = filter_reason([c.reward for c in group.completions],
+                                         [c.correct for c in group.completions]) is not None
                 correct = [c.correct for c in group.completions if c.correct is not None]
                 scheduler.record(p.prompt_id, sum(correct) / len(correct) if correct else None)
-                totals["groups"] += 1
-                totals["filtered"] += len({c.reward for c in group.completions}) == 1
-                totals["tokens"] += sum(len(c.token_ids) for c in group.completions)
+                trainable.record(not filtered)
+                if not filtered and room is not None:
+                    if room <= 0:
+                        row["surplus_groups"] += 1
+                        continue
+                    room -= 1
+                writer.append(group)
+                trainable.appended(not filtered)
+                row["groups"] += 1
+                row["filtered"] += filtered
+                row["tokens"] += sum(len(c.token_ids) for c in group.completions)
                 totals["reward_errors"] += sum(c.reward_error is not None for c in group.completions)
+            for k in ("groups", "filtered", "tokens", "surplus_groups"):
+                totals[k] += row[k]
+            now = time.time()
+            stats.add(batch=stats.batches + 1, version=version, started_at=t_start, wait_s=waited,
+                      reload_s=reload_s + reload2_s, generate_s=t_score - t_gen, score_s=now - t_score, **row)
             if cfg.max_groups is not None and totals["groups"] >= cfg.max_groups:
                 break
-            now = time.time()
             if now - last_log >= cfg.log_every_seconds:
                 _log_progress(generator_id, version, totals, now - started)
                 last_log = now
     finally:
         writer.close()
+        stats.close()
         backend.close()
     totals["seconds"] = time.time() - started
     _log_progress(generator_id, version, totals, totals["seconds"], final=True)
     return totals
+
+
+class TrainableShare:
+    """This generator's recent share of trainable (non-filtered) groups, and its unflushed ones.
+
+    The share sizes lockstep batches; the pending flags make the admission count
+    exact without reading the writer's unflushed groups.
+    """
+
+    def __init__(self, window: int = 256):
+        self.recent: deque[bool] = deque(maxlen=window)
+        self.pending: deque[bool] = deque(maxlen=100_000)   # appended groups, newest last
+
+    def record(self, trainable: bool) -> None:
+        self.recent.append(trainable)
+
+    def appended(self, trainable: bool) -> None:
+        self.pending.append(trainable)
+
+    def share(self) -> float:
+        """Share of trainable groups among recent ones; 1.0 before any (no over-sampling yet)."""
+        return sum(self.recent) / len(self.recent) if self.recent else 1.0
+
+    def pending_trainable(self, pending_groups: int) -> int:
+        """Trainable groups among the writer's `pending_groups` unflushed ones (the newest appended)."""
+        while len(self.pending) > pending_groups:
+            self.pending.popleft()
+        return sum(self.pending)
+
+
+def _batch_size(cfg: GeneratorConfig, admission: Admission, allowance: int | None,
+                trainable: TrainableShare) -> int:
+    """Prompts in the next batch.
+
+    Unlimited staleness: prompts_per_batch. Staleness > 0: capped at the allowance, so
+    the limit is never overshot (the trainer has s steps of groups queued, so a small
+    last batch is off its critical path). Staleness 0 (lockstep): the trainer waits for
+    exactly these groups, so the batch is sized to fill the allowance with trainable
+    groups in one go, allowance / (recent trainable share), floored at 1/8.
+    """
+    if allowance is None:
+        return cfg.prompts_per_batch
+    if admission.max_staleness == 0:
+        return min(cfg.prompts_per_batch, math.ceil(allowance / max(trainable.share(), 0.125)))
+    return min(cfg.prompts_per_batch, allowance)
 
 
 def _wait_for_weights(store, cfg: GeneratorConfig, stop: StopFlag) -> int | None:
@@ -212,15 +299,25 @@ def _maybe_reload(store, backend, version: int, generator_id: str) -> int:
     return newest
 
 
-def _admit(index, writer, admission: Admission, store, stop: StopFlag,
-           cfg: GeneratorConfig) -> tuple[int | None, float]:
-    """Wait until the trainer may use more groups; (groups allowed now or None, seconds waited).
+def _timed_reload(store, backend, version: int, generator_id: str) -> tuple[int, float]:
+    t0 = time.time()
+    new = _maybe_reload(store, backend, version, generator_id)
+    return new, (time.time() - t0 if new != version else 0.0)
+
+
+def _admit(index, writer, trainable: TrainableShare, admission: Admission, store, stop: StopFlag,
+           cfg: GeneratorConfig, stats: GeneratorStats) -> tuple[int | None, float]:
+    """Wait until the trainer may use more groups; (trainable groups allowed now or None, seconds waited).
 
     AReaL's rule (buffer.admission_limit): at trainer version t at most
-    (max_staleness + t + 1) * groups_per_step non-filtered groups may have been
-    admitted, counting this writer's unflushed groups. t is the newest published
-    version. The allowance caps the next batch, so the limit is never overshot
-    by this generator (several generators may overshoot by one batch each).
+    (max_staleness + t + 1) * groups_per_step groups may have been admitted, where
+    admitted counts only groups that are or can still be trained on: consumed,
+    eligible or waiting, i.e. neither filtered (they never will be) nor expired
+    (they never will be again), plus this writer's unflushed trainable groups.
+    t is the newest published version. Counting filtered groups would shrink the
+    allowance to a few prompts per batch when many groups are filtered; counting
+    expired ones would leave a step short for ever once any group expired. Before
+    waiting, unflushed groups are written: the trainer may be waiting for them.
     """
     from buffer import admission_limit
 
@@ -231,10 +328,15 @@ def _admit(index, writer, admission: Admission, store, stop: StopFlag,
         if limit is None:
             return None, time.time() - t0
         index.refresh()
-        admitted = index.counts(t, admission.max_staleness)["admitted"] + writer.pending_groups
+        counts = index.counts(t, admission.max_staleness)
+        admitted = (counts["admitted"] - counts["expired"] - counts["unavailable"]
+                    + trainable.pending_trainable(writer.pending_groups))
         if admitted < limit:
             return limit - admitted, time.time() - t0
-        writer.flush_if_due()
+        if writer.pending_groups:
+            writer.flush()
+            continue
+        stats.flush_if_due()
         stop.wait(cfg.poll_seconds)
     return 0, time.time() - t0
 
@@ -258,6 +360,7 @@ def _score_group(prompt, prompt_ids, rollouts, scorer, version: int, task_name: 
 def _log_progress(generator_id: str, version: int, totals: dict, seconds: float, final: bool = False) -> None:
     g = max(totals["groups"], 1)
     log.info("generator %s%s: v%d, %d groups (%.1f/s), %.0f tokens/s, filtered %.0f%%, "
-             "reward errors %d, admission wait %.1fs", generator_id, " done" if final else "", version,
-             totals["groups"], totals["groups"] / max(seconds, 1e-9), totals["tokens"] / max(seconds, 1e-9),
-             100 * totals["filtered"] / g, totals["reward_errors"], totals["admission_wait_s"])
+             "reward errors %d, admission wait %.1fs (%.0f%% idle), surplus %d", generator_id, " done" if final else "",
+             version, totals["groups"], totals["groups"] / max(seconds, 1e-9), totals["tokens"] / max(seconds, 1e-9),
+             100 * totals["filtered"] / g, totals["reward_errors"], totals["admission_wait_s"],
+             100 * totals["admission_wait_s"] / max(seconds, 1e-9), totals["surplus_groups"])
