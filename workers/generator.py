@@ -144,14 +144,22 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
         torch.set_num_threads(cfg.num_threads)
     store = WeightStore(run / "weights")
     started = time.time()
-    version = _wait_for_weights(store, cfg, stop)
-    if version is None:
-        return {"groups": 0, "filtered": 0, "tokens": 0, "seconds": 0.0}
-    waited_for_v0 = time.time() - started
     # vLLM returns tempered log-probs of the untruncated distribution only when asked for all of them.
     options = {"full_vocab_logprobs": cfg.sampling.truncated} if cfg.backend == "vllm" else {}
-    backend = make_backend(cfg.backend, store.folder(version), dtype=model_dtype, device=device, seed=seed,
-                           **options)
+    backend = None
+    while backend is None:
+        version = _wait_for_weights(store, cfg, stop)
+        if version is None:
+            return {"groups": 0, "filtered": 0, "tokens": 0, "seconds": 0.0}
+        waited_for_v0 = time.time() - started
+        try:
+            backend = make_backend(cfg.backend, store.folder(version), dtype=model_dtype, device=device,
+                                   seed=seed, **options)
+        except (OSError, ModelError):
+            if not _lost_a_race(store, version):
+                raise
+            log.info("weights v%d were pruned or replaced while loading; reading LATEST again", version)
+            stop.wait(cfg.poll_seconds)
     log.info("generator %s: loaded weights v%d (%s backend)", generator_id, version, cfg.backend)
     writer = ShardWriter(run / "buffer", generator_id=generator_id, flush_groups=cfg.flush_groups,
                          flush_seconds=cfg.flush_seconds)
@@ -285,16 +293,22 @@ def _wait_for_weights(store, cfg: GeneratorConfig, stop: StopFlag) -> int | None
     return None
 
 
+def _lost_a_race(store, version: int) -> bool:
+    """Whether loading `version` failed because the trainer moved its folder meanwhile (pruned, or
+    abandoned by a resume and perhaps published again, whole) rather than because it is damaged."""
+    return not store.folder(version).is_dir() or store.is_complete(version)
+
+
 def _maybe_reload(store, backend, version: int, generator_id: str) -> int:
     newest = store.latest()
     if newest is None or newest == version:  # != rather than >: a resumed trainer moves LATEST back
         return version
     try:
         backend.load_weights(store.folder(newest))
-    except (FileNotFoundError, ModelError):  # pruned between LATEST and the read: the next poll sees a newer one
-        if store.folder(newest).is_dir():
+    except (OSError, ModelError):
+        if not _lost_a_race(store, newest):
             raise
-        return version
+        return version  # the next poll reads LATEST again
     log.info("generator %s: reloaded weights v%d -> v%d", generator_id, version, newest)
     return newest
 
