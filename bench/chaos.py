@@ -237,6 +237,8 @@ def chaos(run: Path, *, kills: int, generators: int, interval: tuple[float, floa
     processes_killed = in_startup = 0
     trainer_code = None
     started = time.time()
+    # A SIGTERM to the harness still stops its daemons (they run in sessions of their own).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"chaos: stopped by SIGTERM after {sum(events.values())} kills"))
     for d in daemons:
         d.start()
     next_kill = started + rng.uniform(*interval)
