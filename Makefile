@@ -23,7 +23,7 @@ run: $(STAMP)
 	$(VENV)/bin/asyncgrpo run configs/default.toml --run runs/default --force
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/buffer.py
