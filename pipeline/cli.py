@@ -23,15 +23,17 @@ class UserError(click.ClickException):
 
 
 def _user_error_types() -> tuple[type[Exception], ...]:
-    """Errors that mean bad input (a path, a config value, a file), not a bug. Light imports only."""
-    from buffer.layout import BufferError
-    from pipeline.run import RunError
-    from workers.checks import ConfigError
-    from workers.model import ModelError
-    from workers.tasks import TaskError
-    from workers.trainer.session import TrainerError
+    """Errors that mean bad input (a path, a config value, a file), not a bug.
 
-    return BufferError, ConfigError, ModelError, RunError, TaskError, TrainerError
+    Only from modules already imported (an error class whose module was never imported
+    cannot have been raised), so a user error never pays for importing torch.
+    """
+    return tuple(getattr(sys.modules[module], name) for module, name in _USER_ERRORS if module in sys.modules)
+
+
+_USER_ERRORS = [("buffer.layout", "BufferError"), ("pipeline.run", "RunError"), ("workers.checks", "ConfigError"),
+                ("workers.model", "ModelError"), ("workers.tasks", "TaskError"),
+                ("workers.trainer.session", "TrainerError")]
 
 
 def _user_errors(fn):

@@ -152,9 +152,15 @@ class Scorer:
             return math.nan, _short(f"{self.cfg.custom} raised {type(e).__name__}: {e}")
         if not isinstance(value, numbers.Real):
             return math.nan, _short(f"{self.cfg.custom} returned {type(value).__name__} {value!r}, not a number")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int past float's range, e.g. 10**400
+            return math.nan, _short(f"{self.cfg.custom} returned {value!r}, too large for a float")
         if not math.isfinite(value):
             return math.nan, _short(f"{self.cfg.custom} returned {value}, not a finite number")
+        if not math.isfinite(self.cfg.custom_weight * value):
+            return math.nan, _short(f"{self.cfg.custom} returned {value}, which times custom_weight "
+                                    f"{self.cfg.custom_weight} is not a finite number")
         return value, None
 
 

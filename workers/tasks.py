@@ -259,8 +259,13 @@ def read_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: st
 
 
 def _jsonl_records(path: Path):
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TaskError(f"{path}: line {lineno}: not UTF-8 text (byte {e.start + 1}: "
+                                f"{raw[e.start:e.start + 1]!r}); JSONL files are UTF-8") from None
             if not line.strip():
                 continue
             try:
