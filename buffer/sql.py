@@ -11,10 +11,13 @@ Views, rebuilt from the manifest on every query so they follow the daemons:
     quarantined  shards moved aside, with the reason
 
 An empty buffer gives empty views, not an error. A user's query cannot change
-anything on disk, by two independent guards: only SELECT statements (and
-EXPLAIN of one) are accepted, and DuckDB's external access is switched off
-with only the live files readable and the configuration locked, so COPY,
-ATTACH, EXPORT, INSTALL and table functions over other paths all fail.
+anything on disk, by two guards: only SELECT statements (and EXPLAIN of one)
+are accepted, and DuckDB's external access is switched off with only the live
+files allowed and the configuration locked, so COPY, ATTACH, EXPORT, INSTALL
+and table functions over any other path fail. DuckDB's `allowed_paths` lets
+the listed files be written as well as read (COPY ... TO a live shard with
+USE_TMP_FILE false succeeds on a bare connection), so for those files the
+statement check is the one guard.
 """
 
 from __future__ import annotations

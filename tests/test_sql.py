@@ -102,3 +102,84 @@ def test_bad_sql_message(filled):
         BufferSQL(filled).query("SELEC 1")
     with pytest.raises(SqlError, match="nosuchcol"):
         BufferSQL(filled).query("SELECT nosuchcol FROM rollouts")
+
+
+def _listing(root):
+    """Every file and folder under `root` with its size and modification time."""
+    return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+# Through `asyncgrpo sql`, as a user would try: none may create, change or delete a file.
+ATTACKS = [
+    "COPY rollouts TO '{run}/buffer/shards/w999999-000000.parquet'",
+    "COPY (SELECT 1 AS a) TO '{shard}' (FORMAT parquet, USE_TMP_FILE false)",
+    "COPY consumed TO '{outside}/ledger.csv'",
+    "COPY (SELECT 1) TO '{run}/metrics/steps-000000001-000000001.parquet'",
+    "EXPORT DATABASE '{run}/export'",
+    "IMPORT DATABASE '{run}'",
+    "ATTACH '{run}/evil.duckdb' AS e",
+    "ATTACH '{shard}' AS s",
+    "DETACH memory",
+    "CREATE TABLE t AS SELECT * FROM read_parquet('{shard}')",
+    "CREATE TABLE t AS SELECT * FROM read_csv('{run}/config.toml')",
+    "CREATE OR REPLACE VIEW rollouts AS SELECT 1",
+    "INSERT INTO quarantined VALUES ('{shard}', 'x', 0)",
+    "UPDATE quarantined SET reason = 'x'",
+    "DELETE FROM quarantined",
+    "DROP VIEW consumed",
+    "INSTALL httpfs",
+    "FORCE INSTALL httpfs",
+    "LOAD '{outside}/evil.duckdb_extension'",
+    "PRAGMA enable_profiling = 'json'",
+    "SET profiling_output = '{run}/profile.json'",
+    "SET enable_external_access = true",
+    "RESET allowed_paths",
+    "CHECKPOINT",
+    "VACUUM",
+    "BEGIN TRANSACTION",
+    "CALL enable_logging()",
+    "CREATE SECRET s (TYPE s3)",
+    "SELECT 1; COPY rollouts TO '{run}/x.csv'",
+    "SELECT 1 /* ; */; DROP VIEW rollouts",
+    "SELECT * FROM query('COPY rollouts TO ''{outside}/q.csv''')",
+    "SELECT * FROM read_text('{run}/config.toml')",
+    "SELECT * FROM glob('{run}/**')",
+    "SELECT * FROM read_parquet('{run}/buffer/ledger/abandoned/*.parquet')",
+]
+
+
+@pytest.mark.parametrize("query", ATTACKS)
+def test_cli_queries_cannot_change_the_run(filled, tmp_path, query):
+    from conftest import run_cli
+
+    (filled / "config.toml").write_text("[run]\n")
+    outside = tmp_path / "outside"
+    shard = next((filled / "buffer" / "shards").iterdir())
+    before = _listing(filled)
+    r = run_cli("sql", str(filled), query.format(run=filled, shard=shard, outside=outside))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith("asyncgrpo: error: ") and "Traceback" not in r.stderr
+    assert ("only SELECT queries are allowed" in r.stderr or "disabled by configuration" in r.stderr
+            or "Expected a single SELECT statement" in r.stderr), r.stderr
+    assert _listing(filled) == before and not outside.exists()
+
+
+def test_connection_refuses_new_files_and_settings_even_without_the_statement_check(filled, tmp_path):
+    """The second guard: external access off (only the live files readable), configuration locked.
+    DuckDB's allowed_paths also lets the listed files be written, so for those the statement check
+    above is the guard (tested by test_writes_are_rejected and the CLI table)."""
+    import duckdb
+
+    con = BufferSQL(filled).connect()
+    before = _listing(filled)
+    for q in [f"COPY rollouts TO '{filled}/new.parquet'", f"COPY rollouts TO '{tmp_path}/out.csv'",
+              f"ATTACH '{filled}/x.duckdb'", f"EXPORT DATABASE '{filled}/exp'", "INSTALL httpfs"]:
+        with pytest.raises(duckdb.PermissionException, match="disabled by configuration"):
+            con.execute(q)
+    for q in ["SET enable_external_access = true", "SET lock_configuration = false",
+              f"SET allowed_paths = ['{filled}']", f"SET allowed_directories = ['{filled}']"]:
+        with pytest.raises(duckdb.InvalidInputException, match="the configuration has been locked"):
+            con.execute(q)
+    con.close()
+    assert _listing(filled) == before and not (tmp_path / "out.csv").exists()
