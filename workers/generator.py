@@ -146,7 +146,7 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     started = time.time()
     # vLLM returns tempered log-probs of the untruncated distribution only when asked for all of them.
     options = {"full_vocab_logprobs": cfg.sampling.truncated} if cfg.backend == "vllm" else {}
-    backend = None
+    backend, tries = None, 0
     while backend is None:
         version = _wait_for_weights(store, cfg, stop)
         if version is None:
@@ -156,7 +156,8 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
             backend = make_backend(cfg.backend, store.folder(version), dtype=model_dtype, device=device,
                                    seed=seed, **options)
         except (OSError, ModelError):
-            if not _lost_a_race(store, version):
+            tries += 1
+            if not _lost_a_race(store, version) or tries >= 10:  # 10 lost races in a row: not a race
                 raise
             log.info("weights v%d were pruned or replaced while loading; reading LATEST again", version)
             stop.wait(cfg.poll_seconds)
