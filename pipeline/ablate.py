@@ -394,8 +394,11 @@ def _finish_replay(ab: Ablation, c: Cell, run: Path, stopped_by: str, wall_s: fl
 # -- the sweep -----------------------------------------------------------------------------------------
 def run_ablation(ab: Ablation, echo=print) -> list[dict]:
     """Run (or resume) every cell, then write the outputs; returns the rows."""
+    from transformers.utils import logging as hf_logging
+
     from pipeline.ablate_report import cell_result, write_outputs
 
+    hf_logging.disable_progress_bar()   # evaluations load weights in this process
     ab.out.mkdir(parents=True, exist_ok=True)
     (ab.out / "ablation.json").write_text(json.dumps({
         "config": ab.config, "overrides": ab.overrides, "eval_every": ab.eval_every, "target": ab.target,
