@@ -8,7 +8,10 @@
         run.json summary of a completed run but no cell.json? only evaluate it
         otherwise delete what a half-finished attempt left and run it:
             `asyncgrpo run` (generators + trainer), or with --replay `asyncgrpo train`
-            over a copy of another run's buffer (no generator)
+            over a copy of another run's buffer (no generator); run.time_limit_s is
+            kept by this driver and counts from the publication of v0 (the trainer is
+            ready), so process start-up, which varies with the machine's load, is not
+            part of the budget
             while it runs, hard-link the weights of every eval_every-th version into
             <cell>/eval_weights/ (the trainer prunes all but trainer.keep_weights)
         greedy accuracy of each kept version (after the run, so evaluation never
@@ -56,6 +59,7 @@ IS_MODES: dict[str, tuple[str, ...]] = {
 }
 CELL_RESULT = "cell.json"
 EVAL_WEIGHTS = "eval_weights"
+BUDGET_STOP = "ablate_time_limit.json"   # written just before the driver stops a cell at its time limit
 REPLAY_MAX_WAIT_S = 3.0
 OWN_KEYS = {"trainer.max_staleness": "--staleness", "run.seed": "--seeds", "trainer.seed": "--seeds",
             "trainer.loss.objective": "--is-mode", "trainer.loss.is_mode": "--is-mode"}
@@ -73,12 +77,14 @@ class Cell:
     is_mode: str
     seed: int
     sweep: tuple[tuple[str, str], ...] = ()    # (key, value as written)
+    label: str | None = None
+    """Names the setting instead of staleness, IS mode and sweep values (benchmarks' modes)."""
 
     @property
     def name(self) -> str:
         parts = [f"s{'none' if self.staleness is None else self.staleness}", self.is_mode]
         parts += [f"{k.rsplit('.', 1)[-1]}={_safe(v)}" for k, v in self.sweep]
-        return "-".join(parts + [f"seed{self.seed}"])
+        return "-".join(([_safe(self.label)] if self.label else parts) + [f"seed{self.seed}"])
 
     @property
     def setting(self) -> str:
@@ -283,9 +289,17 @@ def cell_state(run: Path) -> str:
     if (run / CELL_RESULT).is_file():
         return "done"
     summary = read_run_info(run).get("summary") if run.is_dir() else None
-    if summary and summary.get("stopped_by") in ("trainer finished", "time limit"):
+    if summary and stopped_by(run, summary) in ("trainer finished", "time limit"):
         return "ran"
     return "redo"
+
+
+def stopped_by(run: Path, summary: dict) -> str | None:
+    """Why the cell's run ended; a SIGTERM that this driver sent at the time limit is the time limit."""
+    why = summary.get("stopped_by")
+    if why == "SIGTERM" and (run / BUDGET_STOP).is_file():
+        return "time limit"
+    return why
 
 
 def run_cell(ab: Ablation, c: Cell, on_tick) -> None:
@@ -298,27 +312,30 @@ def run_cell(ab: Ablation, c: Cell, on_tick) -> None:
     cfg = ab.cfgs[c.name]
     if ab.replay is None:
         args = ["run", *([ab.config] if ab.config else []), "--run", str(run)]
-        for o in [*ab.overrides, *c.overrides()]:
+        for o in [*ab.overrides, *c.overrides(), "run.time_limit_s=none"]:   # the limit is kept here
             args += ["--set", o]
-        deadline = None          # `asyncgrpo run` keeps run.time_limit_s itself
     else:
         _prepare_replay(ab, c, run)
         args = ["train", "--run", str(run)]
-        deadline = None if cfg.run.time_limit_s is None else time.time() + cfg.run.time_limit_s
     from pipeline.run import cli_argv
 
     snaps = Snapshots(run, ab.eval_every)
+    budget, deadline = cfg.run.time_limit_s, None
     started = time.time()
     with open(log, "ab") as out:
         proc = subprocess.Popen(cli_argv(*args), stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=_die_with_parent, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    stopped_by = "trainer finished"
+    stopped = "trainer finished"
     try:
         while proc.poll() is None:
             snaps.poll()
-            on_tick(snaps.store.latest())
-            if deadline is not None and time.time() >= deadline and stopped_by != "time limit":
-                stopped_by = "time limit"
+            latest = snaps.store.latest()
+            on_tick(latest)
+            if budget is not None and deadline is None and latest is not None:
+                deadline = _published_at(snaps.store, 0) + budget
+            if deadline is not None and time.time() >= deadline and stopped != "time limit":
+                stopped = "time limit"
+                _write_json(run / BUDGET_STOP, {"time_limit_s": budget, "stopped_at": time.time()})
                 proc.send_signal(signal.SIGTERM)
             time.sleep(0.1)
     except BaseException:
@@ -335,7 +352,15 @@ def run_cell(ab: Ablation, c: Cell, on_tick) -> None:
     if latest is not None:
         snaps.keep(latest)
     if ab.replay is not None:
-        _finish_replay(ab, c, run, stopped_by, time.time() - started)
+        _finish_replay(ab, c, run, stopped, time.time() - started)
+
+
+def _published_at(store, version: int) -> float:
+    """When `version` was published (its weights.json), or now if that cannot be read."""
+    try:
+        return float(json.loads((store.folder(version) / "weights.json").read_text())["published_at"])
+    except (OSError, ValueError, KeyError):
+        return time.time()
 
 
 def _prepare_replay(ab: Ablation, c: Cell, run: Path) -> None:
@@ -378,7 +403,7 @@ def _eval_before(ab: Ablation, cfg, model: Path) -> float:
     return _BEFORE[key]
 
 
-def _finish_replay(ab: Ablation, c: Cell, run: Path, stopped_by: str, wall_s: float) -> None:
+def _finish_replay(ab: Ablation, c: Cell, run: Path, stopped: str, wall_s: float) -> None:
     from pipeline.run import evaluate_folder, read_run_info, write_run_info
     from workers.weights import WeightStore
 
@@ -388,7 +413,7 @@ def _finish_replay(ab: Ablation, c: Cell, run: Path, stopped_by: str, wall_s: fl
     after = evaluate_folder(ab.cfgs[c.name], store.folder(version)) if version is not None else info["eval_before"]
     write_run_info(run, {**info, "summary": {"run_dir": str(run), "eval_before": info["eval_before"],
                                              "eval_after": after, "version": version, "step": version,
-                                             "stopped_by": stopped_by, "wall_s": wall_s}})
+                                             "stopped_by": stopped, "wall_s": wall_s}})
 
 
 # -- the sweep -----------------------------------------------------------------------------------------

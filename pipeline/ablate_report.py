@@ -36,7 +36,7 @@ COLUMNS = [  # (csv column, markdown header, format)
     ("trainer_idle_share", "trainer idle", "{:.0%}"),
     ("generator_idle_share", "generator idle", "{:.0%}"),
 ]
-EXTRA = ["cell", "accuracy_before", "target_accuracy", "step_to_target", "steps", "wall_s", "stopped_by",
+EXTRA = ["cell", "setting", "accuracy_before", "target_accuracy", "step_to_target", "steps", "wall_s", "stopped_by",
          "replay", "eval_points"]
 
 
@@ -57,7 +57,7 @@ def cell_result(run: Path, cell, cfg, target: str, *, replay: bool) -> dict:
     from transformers.utils import logging as hf_logging
 
     from buffer import BufferSQL, GroupIndex
-    from pipeline.ablate import EVAL_WEIGHTS, parse_target
+    from pipeline.ablate import EVAL_WEIGHTS, parse_target, stopped_by
     from pipeline.run import evaluate_folder, read_run_info
 
     hf_logging.disable_progress_bar()
@@ -94,7 +94,7 @@ def cell_result(run: Path, cell, cfg, target: str, *, replay: bool) -> dict:
     hit = next((p for p in curve if p["accuracy"] >= goal), None)
     wall = (m["t1"] - m["t0"]) if m.get("t1") is not None else None
     row = {
-        "cell": cell.name, "staleness": "none" if cell.staleness is None else cell.staleness,
+        "cell": cell.name, "setting": cell.label or "", "staleness": "none" if cell.staleness is None else cell.staleness,
         "is_mode": cell.is_mode, **{k: v for k, v in cell.sweep}, "seed": cell.seed,
         "accuracy_before": info["eval_before"], "final_accuracy": summary["eval_after"],
         "target_accuracy": goal, "time_to_target_s": hit["wall_s"] if hit else None,
@@ -103,7 +103,7 @@ def cell_result(run: Path, cell, cfg, target: str, *, replay: bool) -> dict:
         "mean_staleness": stale,
         "expired_frac": counts["expired"] / groups, "filtered_frac": counts["filtered"] / groups,
         "trainer_idle_share": m["wait"] / m["busy"] if m.get("busy") else None,
-        "generator_idle_share": gen_idle, "wall_s": wall, "stopped_by": summary.get("stopped_by"),
+        "generator_idle_share": gen_idle, "wall_s": wall, "stopped_by": stopped_by(run, summary),
         "replay": info.get("replay_of", ""), "eval_points": len(curve),
     }
     return {"row": row, "curve": curve, "setting": cell.setting}
@@ -140,7 +140,10 @@ def _write_csv(path: Path, header: list[str], rows: list[dict]) -> None:
 
 
 def markdown(results: list[dict], sweep_keys: list[str]) -> str:
-    cols = COLUMNS[:2] + [(k, k.rsplit(".", 1)[-1], "{}") for k in sweep_keys] + COLUMNS[2:]
+    short = [k.rsplit(".", 1)[-1] for k in sweep_keys]
+    heads = [s if short.count(s) == 1 else k for s, k in zip(short, sweep_keys)]
+    labelled = [("setting", "setting", "{}")] if any(r["row"].get("setting") for r in results) else []
+    cols = labelled + COLUMNS[:2] + [(k, h, "{}") for k, h in zip(sweep_keys, heads)] + COLUMNS[2:]
     lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
         lines.append("| " + " | ".join(_fmt(r["row"].get(k), f) for k, _, f in cols) + " |")
@@ -154,7 +157,7 @@ def markdown(results: list[dict], sweep_keys: list[str]) -> str:
         for k, _, f in mean_cols:
             vals = [x.get(k) for x in rows]
             nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            if k in ("staleness", "is_mode") or k in sweep_keys:
+            if k in ("setting", "staleness", "is_mode") or k in sweep_keys:
                 cells.append(str(vals[0]))
             elif k == "time_to_target_s" and len(nums) < len(vals):
                 cells.append(f"{_fmt(sum(nums) / len(nums), f) if nums else '-'} ({len(nums)}/{len(vals)} hit)")

@@ -303,8 +303,9 @@ def ablate(config: str | None, staleness: str, is_modes: str, seeds: str, overri
     """Sweep staleness x IS mode (x any field) x seeds, one `asyncgrpo run` per cell, then compare.
 
     Every cell gets the same config, prompts, seeds and budget (trainer.max_steps
-    and/or run.time_limit_s; one must be set) and runs alone, one after another,
-    in OUT/cells/<cell>. A cell that finished is skipped when the command is run
+    and/or run.time_limit_s, which here counts from the trainer's v0, so start-up
+    is not part of it; one must be set) and runs alone, one after another, in
+    OUT/cells/<cell>. A cell that finished is skipped when the command is run
     again; a half-finished one is done again. Writes ablation.csv and
     ablation.md (staleness, IS mode, seed, final greedy accuracy, time to target,
     steps/s, mean staleness, expired and filtered fractions, trainer and
