@@ -123,6 +123,7 @@ class BufferSQL:
         self.generator_metrics_dir = gen if gen is not None and gen.is_dir() else None
         self.quarantine = quarantine
         self.skipped: dict[str, str] = {}  # unreadable files left out: name -> reason
+        self._listed: list[Path] = []       # the files of the last connection's views
 
     def _files(self) -> tuple[list[Path], list[Path], list[Path]]:
         """Rollout shards, ledger shards, and metrics files (the trainer's, then the generators')."""
@@ -140,6 +141,7 @@ class BufferSQL:
     def connect(self) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory connection with the views over the current files, locked down."""
         shards, ledger, metrics = self._files()
+        self._listed = shards + ledger + metrics
         gen_metrics = [p for p in metrics if self.generator_metrics_dir is not None
                        and p.parent == self.generator_metrics_dir]
         metrics = [p for p in metrics if p not in gen_metrics]
@@ -188,6 +190,8 @@ class BufferSQL:
     def _handle_bad_file(self, e: duckdb.Error) -> bool:
         """If the error is about one of our files, set it aside and return True (retry)."""
         msg = str(e)
+        if any(str(p) in msg and not p.exists() for p in self._listed):
+            return True  # moved after the listing (a trainer resume abandons ledger shards): list again
         if isinstance(e, (duckdb.PermissionException,)):
             return False
         shards, ledger, metrics = self._files()

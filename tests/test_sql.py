@@ -183,3 +183,23 @@ def test_connection_refuses_new_files_and_settings_even_without_the_statement_ch
             con.execute(q)
     con.close()
     assert _listing(filled) == before and not (tmp_path / "out.csv").exists()
+
+
+@pytest.mark.parametrize("query", ["SELECT count(*) n FROM consumed", "SELECT count(*) n FROM groups"])
+def test_a_ledger_shard_moved_after_listing_is_listed_again(filled, monkeypatch, query):
+    """A trainer resume moves ledger shards to ledger/abandoned/ while a query binds: retry, not fail."""
+    db = BufferSQL(filled)
+    real = db._files
+    calls = []
+
+    def files_then_one_gone():
+        shards, ledger, metrics = real()
+        calls.append(1)
+        if len(calls) == 1:   # the first listing still names a shard that is gone by the read
+            ledger = ledger + [filled / "buffer" / "ledger" / "step-000000099-0000.parquet"]
+        return shards, ledger, metrics
+
+    monkeypatch.setattr(db, "_files", files_then_one_gone)
+    expected = {"SELECT count(*) n FROM consumed": 2, "SELECT count(*) n FROM groups": 5}[query]
+    assert db.query(query).to_pylist() == [{"n": expected}]
+    assert len(calls) >= 2
