@@ -434,6 +434,8 @@ def run_ablation(ab: Ablation, echo=print) -> list[dict]:
         for i, c in enumerate(ab.cells):
             run = ab.cell_dir(c)
             state = cell_state(run)
+            if state != "redo":
+                _check_same_config(run, ab.cfgs[c.name], c)
             if state == "done":
                 progress.note(i, c, "finished earlier: skipped")
             else:
@@ -455,6 +457,29 @@ def run_ablation(ab: Ablation, echo=print) -> list[dict]:
     paths = [ab.out / n for n in ("ablation.csv", "ablation.md", "ablation.png", "curves.csv")]
     echo("wrote " + ", ".join(str(p) for p in paths))
     return [r["row"] for r in rows]
+
+
+IGNORED_ON_RESUME = ("run.time_limit_s", "trainer.max_wait_seconds")   # kept by the driver / set for replay
+
+
+def _check_same_config(run: Path, expected, c: Cell) -> None:
+    """A finished cell counts only if it ran with this sweep's config; else the user must choose."""
+    from pipeline.config import load_run_config
+    from pipeline.schema import to_dict
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    have, want = flat(to_dict(load_run_config(run))), flat(to_dict(expected))
+    diff = sorted(k for k in set(have) | set(want) if k not in IGNORED_ON_RESUME and have.get(k) != want.get(k))
+    if diff:
+        k = diff[0]
+        raise AblateError(f"cell {c.name} in {run.parent.parent} was run with another config ({k} = "
+                          f"{have.get(k)!r}, this sweep has {want.get(k)!r}); use another --out, or delete "
+                          f"{run} to run it again")
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -98,6 +98,8 @@ def test_rerun_skips_finished_cells(sweep):
     assert r.stdout.count("finished earlier: skipped") == 2 and "running" not in r.stdout
     assert (out / "ablation.csv").read_text() == before
     assert time.time() - t0 < 60
+    r = run_cli(*args, "--set", "trainer.lr=1e-4", timeout=120)   # another config: not silently mixed in
+    assert r.returncode == 2 and "trainer.lr = 0.0003, this sweep has 0.0001" in r.stderr, r.stderr
 
 
 def test_replay_trains_on_a_stored_buffer_without_a_generator(sweep, tmp_path):
