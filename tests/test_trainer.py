@@ -87,7 +87,7 @@ def test_metrics_rows_and_on_policy_alignment(tmp_path, model_folder):  # noqa: 
     # (logits / temperature, right-padded micro-batches) match the stored behaviour log-probs.
     assert first["kl/old_behaviour"] < 1e-9 and first["is/mean"] == pytest.approx(1.0, abs=1e-5)
     assert first["kl/ref"] > 0          # the second inner epoch moved away from the reference
-    assert first["beta"] == 0.04 and first["lr"] == 3e-4 and first["staleness/max"] == 0
+    assert first["beta"] == 0.04 and first["lr"] == 1e-4 and first["staleness/max"] == 0
     taken = [g for g in groups if len({c.reward for c in g.completions}) > 1][:3]   # oldest unfiltered
     assert first["reward/mean"] == pytest.approx(sum(c.reward for g in taken for c in g.completions) / 24)
     filtered = sum(len({c.reward for c in g.completions}) == 1 for g in groups)

@@ -37,7 +37,7 @@ def test_config_errors_name_the_field(kw, field):
 
 def test_config_defaults_and_from_dict():
     cfg = TrainerConfig()
-    assert (cfg.groups_per_step, cfg.lr, cfg.max_grad_norm, cfg.max_staleness) == (32, 3e-4, 1.0, 2)
+    assert (cfg.groups_per_step, cfg.lr, cfg.max_grad_norm, cfg.max_staleness) == (32, 1e-4, 1.0, 2)
     assert cfg.loss.objective == "decoupled" and cfg.loss.beta == 0.0 and cfg.loss.epsilon == 0.2
     c = config_from_dict({"lr": 1e-4, "betas": [0.9, 0.98], "max_staleness": "none", "loss": {"beta": 0.05}})
     assert c.lr == 1e-4 and c.betas == (0.9, 0.98) and c.max_staleness is None

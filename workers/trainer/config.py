@@ -46,8 +46,9 @@ class TrainerConfig:
     """Advantage scale per group: "sample" std, "population" std, or "none" (Dr. GRPO: r - mean)."""
     advantage_eps: float = 1e-6
     """Added to the group's reward std before dividing, >= 0."""
-    lr: float = 3e-4
-    """Peak AdamW learning rate, > 0."""
+    lr: float = 1e-4
+    """Peak AdamW learning rate, > 0. Measured on the default run (greedy accuracy on 200 held-out
+    prompts, 300 steps): 1e-4 rose 27.5% -> 61.5% steadily, 3e-4 peaked at 46% and fell back to 24%."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas, each in [0, 1)."""
     weight_decay: float = 0.0
