@@ -12,7 +12,10 @@ the trainer, one generator, or everything at once ("power cut"). Before the kill
 the harness records every group the buffer shows (a `GroupIndex` that never
 moves files) and runs a SQL query; then SIGKILL, and the victim is restarted at
 once (the trainer with --resume). A daemon that dies by itself is restarted too
-and counted. After `--kills` kills the run is left to reach trainer.max_steps.
+and counted. Until the last kill the trainer has no step limit, so a fast machine
+cannot finish the run before every kill has landed; the last kill always hits the
+trainer (alone or with everything), which then resumes with its final limit:
+max(--max-steps, the step it resumed from + 3). The run must reach that step.
 
 Then, with SQL over the run (`buffer.BufferSQL`, the views `asyncgrpo sql` has):
     no group trained twice            consumed has one row per group_id
@@ -47,6 +50,7 @@ sys.path.insert(0, str(REPO))
 # A victim still starting up (no step / no weights loaded yet since its restart) is spared with this
 # probability, so most kills hit working daemons and some hit start-up and the resume's rollback.
 STARTUP_SPARE = 0.9
+UNLIMITED_STEPS = 10 ** 9   # the trainer's step limit until the last kill
 
 # Smaller steps than the default run, so that a few seconds between kills still see
 # steps, checkpoints, publications and shard flushes happen (and get interrupted).
@@ -225,10 +229,14 @@ def chaos(run: Path, *, kills: int, generators: int, interval: tuple[float, floa
           settings: list[str], timeout_s: float) -> dict:
     rng = random.Random(seed)
     shape = prepare_run(run, settings)
-    if shape["max_steps"] is None:
+    max_steps = shape["max_steps"]
+    if max_steps is None:
         raise SystemExit("set trainer.max_steps: the run must end for its completion to be checked")
-    trainer = Daemon("trainer", ["train", "--run", str(run), "--resume"], run / "logs" / "trainer.log",
-                     ready_mark=" | loss ")
+    if kills < 1:
+        raise SystemExit("--kills must be at least 1")
+    trainer_args = ["train", "--run", str(run), "--resume", "--set"]
+    trainer = Daemon("trainer", [*trainer_args, f"trainer.max_steps={UNLIMITED_STEPS}"],
+                     run / "logs" / "trainer.log", ready_mark=" | loss ")
     gens = [Daemon(f"generator-{i}", ["generate", "--run", str(run), "--index", str(i)],
                    run / "logs" / f"generator-{i}.log", ready_mark="loaded weights") for i in range(generators)]
     daemons = [trainer, *gens]
@@ -260,7 +268,9 @@ def chaos(run: Path, *, kills: int, generators: int, interval: tuple[float, floa
                 break
             if sum(events.values()) >= kills or time.time() < next_kill:
                 continue
-            kind = rng.choices(["trainer", "generator", "all"], weights=[0.3, 0.6, 0.1])[0]
+            last = sum(events.values()) == kills - 1
+            kind = (rng.choices(["trainer", "all"], weights=[0.75, 0.25]) if last else
+                    rng.choices(["trainer", "generator", "all"], weights=[0.3, 0.6, 0.1]))[0]
             victims = {"trainer": [trainer], "generator": [rng.choice(gens)], "all": daemons}[kind]
             if not all(d.working() for d in victims) and rng.random() < STARTUP_SPARE:
                 next_kill = time.time() + 1.0   # mostly kill daemons at work; some kills land in start-up
@@ -273,6 +283,10 @@ def chaos(run: Path, *, kills: int, generators: int, interval: tuple[float, floa
                     d.kill9()
                     processes_killed += 1
             events[kind] += 1
+            if last:    # the trainer is dead: its newest checkpoint is where it resumes
+                shape["max_steps"] = max(max_steps, (_step(run) or 0) + 3)
+                trainer.args = [*trainer_args, f"trainer.max_steps={shape['max_steps']}"]
+                log(f"last kill: the trainer resumes to finish at step {shape['max_steps']}")
             for d in victims:
                 d.start()
             witness.query()
@@ -311,7 +325,8 @@ def main() -> int:
     p.add_argument("--run", type=Path, default=REPO / "runs" / "chaos", help="Run directory (deleted first).")
     p.add_argument("--kills", type=int, default=100, help="Kill events (trainer, a generator, or all).")
     p.add_argument("--generators", type=int, default=2)
-    p.add_argument("--max-steps", type=int, default=250, help="trainer.max_steps: the run must reach it.")
+    p.add_argument("--max-steps", type=int, default=250, help="trainer.max_steps: the run ends at max(this, "
+                   "the step the last kill rolled the trainer back to + 3).")
     p.add_argument("--interval", type=float, nargs=2, default=(2.0, 8.0), metavar=("MIN", "MAX"),
                    help="Seconds between kills, uniform in [MIN, MAX].")
     p.add_argument("--seed", type=int, default=0)

@@ -98,7 +98,8 @@ def sql(path: str, query: str | None, fmt: str, max_width: int) -> None:
     """Run a read-only SQL QUERY over the buffer at PATH (a buffer or a run directory).
 
     Views: rollouts (one row per completion), groups (one per group),
-    consumed (the trainer's ledger), metrics (when the run has them),
+    consumed (the trainer's ledger), metrics (trainer steps) and
+    generator_metrics (generator batches) when the run has them,
     quarantined (shards set aside). With no QUERY, reads queries from stdin,
     or opens a prompt when stdin is a terminal. Only SELECT is accepted.
 

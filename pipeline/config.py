@@ -54,7 +54,8 @@ class RunConfig:
     num_generators: int = 1
     """Generator processes started beside the one trainer (one per 2-core machine share)."""
     time_limit_s: float | None = 330.0
-    """Stop the run after this many seconds of training (None: only trainer.max_steps stops it)."""
+    """Stop the run this many seconds after its daemons start (their start-up, about 10 s, included;
+    the evaluations before and after are not); None: only trainer.max_steps stops it."""
     eval_size: int | None = 200
     """Held-out prompts for the greedy accuracy before and after (None: the whole eval split)."""
     eval_max_new_tokens: int = 8

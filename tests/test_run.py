@@ -66,14 +66,14 @@ def metrics_steps(run: Path) -> int:
 def test_short_default_run_learns_and_keeps_the_invariants(tmp_path):
     run = tmp_path / "r"
     # Stopped by steps, not time, so a slow or busy machine trains as much as a fast one.
-    p = start_run(run, "trainer.max_steps=100", "run.time_limit_s=none", "run.eval_size=200")
+    p = start_run(run, "trainer.max_steps=60", "run.time_limit_s=none", "run.eval_size=200")
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out
     info = json.loads((run / "run.json").read_text())
     s = info["summary"]
-    # Measured with lr 1e-4: 27.5% -> 48.5% greedy after 100 steps (seed 0, quiet machine).
-    assert s["eval_after"] > s["eval_before"], out
-    assert s["step"] == 100
+    # Measured: 27.5% -> 47% greedy after 50 steps, 48.5% after 100 (seed 0).
+    assert s["eval_after"] >= s["eval_before"] + 0.10, out
+    assert s["step"] == 60
     assert "asyncgrpo sql" in out and "before" in out and "after" in out
     db = BufferSQL(run)
     limit = 2
@@ -82,7 +82,7 @@ def test_short_default_run_learns_and_keeps_the_invariants(tmp_path):
     assert db.query(f"SELECT count(*) n FROM consumed WHERE staleness > {limit}").to_pylist()[0]["n"] == 0
     assert db.query("SELECT count(*) n FROM consumed c JOIN groups g USING (group_id) WHERE g.filtered"
                     ).to_pylist()[0]["n"] == 0
-    assert db.query("SELECT count(*) n FROM consumed").to_pylist()[0]["n"] == 100 * 32
+    assert db.query("SELECT count(*) n FROM consumed").to_pylist()[0]["n"] == 60 * 32
     assert not processes_of(run)
 
 

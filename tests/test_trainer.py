@@ -100,7 +100,7 @@ def test_bfloat16_gradient_checkpointing_and_adaptive_kl(tmp_path, model_folder)
     write_buffer(tmp_path, sampled(str(model_folder), 12))
     cfg = TrainerConfig(groups_per_step=3, max_steps=2, dtype="bfloat16", gradient_checkpointing=True,
                         num_iterations=2, kl_control="adaptive", kl_target=1e-6, kl_horizon=100,
-                        loss=PolicyLossConfig(beta=0.1), lr_schedule="linear", warmup_steps=1, **FAST)
+                        loss=PolicyLossConfig(beta=0.1), lr=3e-4, lr_schedule="linear", warmup_steps=1, **FAST)
     run_trainer(tmp_path, cfg, model_folder=model_folder, offline=True)
     rows = BufferSQL(tmp_path).query("SELECT * FROM metrics ORDER BY step").to_pylist()
     assert [r["lr"] for r in rows] == [1.5e-4, 0.0]          # warm-up 1/2, then linear decay to 0 at max_steps

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import REPO
 from workers.checks import ConfigError
 from workers.evaluate import complete, evaluate, greedy_accuracy, greedy_accuracy_folder
 from workers.model import init_model, load_model, load_tokenizer
@@ -25,9 +26,10 @@ def base(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_model(tmp_path_factory) -> Path:
-    """The default warm start (default task and steps), built once for the session (~1-2 min)."""
-    return cached_model(tmp_path_factory.mktemp("cache"), TaskConfig(), WarmstartConfig())
+def default_model() -> Path:
+    """The default warm start (default task and steps), from the cache `make run` and the other
+    end-to-end tests share (built once, ~1-2 min, by whichever needs it first)."""
+    return cached_model(REPO / "runs" / ".cache", TaskConfig(), WarmstartConfig())
 
 
 def test_sft_tensors_mask_answer_and_eos_only(base):

@@ -23,8 +23,9 @@ Staleness 0 is lockstep, i.e. synchronous GRPO: the generator samples with
 version t only until the trainer has its groups_per_step trainable groups of
 version t, then waits for version t + 1. Since a group beyond that need could
 only expire, at staleness 0 a batch is sized by the measured share of trainable
-(non-filtered) groups so that one batch usually fills the step, and trainable
-groups beyond the allowance are not appended but counted (`surplus_groups`).
+(non-filtered) groups so that one batch usually fills the step; trainable
+groups beyond the step's need are appended all the same (nothing generated is
+dropped) and will expire unused; they are counted as `surplus_groups`.
 
 Idle time: every batch writes a row to `<run>/generator_metrics/` (SQL view
 `generator_metrics`), with `wait_s` (admission, i.e. waiting for the trainer
@@ -205,10 +206,8 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
                 correct = [c.correct for c in group.completions if c.correct is not None]
                 scheduler.record(p.prompt_id, sum(correct) / len(correct) if correct else None)
                 trainable.record(not filtered)
-                if not filtered and room is not None:
-                    if room <= 0:
-                        row["surplus_groups"] += 1
-                        continue
+                if not filtered and room is not None:   # beyond the step's need: appended, it will expire
+                    row["surplus_groups"] += room <= 0
                     room -= 1
                 writer.append(group)
                 trainable.appended(not filtered)

@@ -126,7 +126,8 @@ def train_sft(model, tokenizer, task: Task, cfg: WarmstartConfig, *, progress: b
         model.train()
         order, cursor = torch.randperm(len(inputs), generator=gen), 0
         loss_value, t0 = float("nan"), time.perf_counter()
-        bar = tqdm(range(1, cfg.steps + 1), desc="warm start", disable=not progress, unit="step")
+        bar = tqdm(range(1, cfg.steps + 1), desc="warm start", unit="step",
+                   disable=True if not progress else None)   # None: no bar unless a terminal (log lines remain)
         for step in bar:
             if cursor + cfg.batch_size > len(order):  # next epoch; the short remainder is skipped
                 order, cursor = torch.randperm(len(inputs), generator=gen), 0
