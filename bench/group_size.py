@@ -23,7 +23,8 @@ Per cell it reports:
 
     accuracy_at_budget   greedy accuracy at the common token budget
     final_accuracy       after --steps steps, and the tokens it took (generated_tokens)
-    filtered_frac        groups with all rewards equal / all groups; all_correct and all_wrong shares
+    filtered_frac        groups with all rewards equal / all groups; all_correct_frac and all_wrong_frac
+                         split it by reason (shares of all groups)
     advantage_noise      mean over trainable groups of reward_std / sqrt(G): the standard error of the
                          group mean that every advantage of the group subtracts
     tokens_per_trained   generated tokens per completion trained on (waste included)
@@ -71,8 +72,8 @@ def group_figures(run: Path, g: int) -> dict:
     db = BufferSQL(run)
     r = db.query(
         "SELECT count(*) AS groups, avg(CAST(filtered AS DOUBLE)) AS filtered, "
-        "avg(CAST(filter_reason = 'all_correct' AS DOUBLE)) AS all_correct, "
-        "avg(CAST(filter_reason = 'all_wrong' AS DOUBLE)) AS all_wrong, "
+        "avg(CAST(coalesce(filter_reason = 'all_correct', false) AS DOUBLE)) AS all_correct, "
+        "avg(CAST(coalesce(filter_reason = 'all_wrong', false) AS DOUBLE)) AS all_wrong, "
         f"avg(CASE WHEN NOT filtered THEN reward_std / sqrt({g}) END) AS noise FROM groups").to_pylist()[0]
     trained = db.query("SELECT count(*) AS n FROM consumed").to_pylist()[0]["n"] * g
     return {"groups": r["groups"], "filtered_frac": r["filtered"], "all_correct_frac": r["all_correct"],
