@@ -1,6 +1,6 @@
 """Chaos harness: kill -9 generators and the trainer at random moments during a real run; lose nothing.
 
-    nice python bench/chaos.py [--kills 100] [--generators 2] [--max-steps 120] [--interval 2 8]
+    nice python bench/chaos.py [--kills 100] [--generators 2] [--max-steps 250] [--interval 1 4]
                                [--run runs/chaos] [--seed 0] [--set KEY=VALUE ...]
 
 A run of the embedded tiny model on the arithmetic task (the default config with
@@ -327,10 +327,10 @@ def main() -> int:
     p.add_argument("--generators", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=250, help="trainer.max_steps: the run ends at max(this, "
                    "the step the last kill rolled the trainer back to + 3).")
-    p.add_argument("--interval", type=float, nargs=2, default=(2.0, 8.0), metavar=("MIN", "MAX"),
+    p.add_argument("--interval", type=float, nargs=2, default=(1.0, 4.0), metavar=("MIN", "MAX"),
                    help="Seconds between kills, uniform in [MIN, MAX].")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800.0, help="Give up (and fail) after this many seconds.")
+    p.add_argument("--timeout", type=float, default=3600.0, help="Give up (and fail) after this many seconds.")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="More config overrides, e.g. --set model.cache_dir=/tmp/cache.")
     args = p.parse_args()
