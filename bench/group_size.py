@@ -54,11 +54,9 @@ def log(msg: str) -> None:
     print(f"[bench/group_size {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def tokens_by_version(run: Path) -> dict[int, int]:
+def tokens_by_version(db) -> dict[int, int]:
     """Generated tokens of each version (filtered groups included)."""
-    from buffer import BufferSQL
-
-    rows = BufferSQL(run).query("SELECT version, sum(num_tokens) AS t FROM rollouts GROUP BY 1").to_pylist()
+    rows = db.query("SELECT version, sum(num_tokens) AS t FROM rollouts GROUP BY 1").to_pylist()
     return {int(r["version"]): int(r["t"]) for r in rows}
 
 
@@ -66,10 +64,7 @@ def generated_before(tokens: dict[int, int], version: int) -> int:
     return sum(t for v, t in tokens.items() if v < version)
 
 
-def group_figures(run: Path, g: int) -> dict:
-    from buffer import BufferSQL
-
-    db = BufferSQL(run)
+def group_figures(db, g: int) -> dict:
     r = db.query(
         "SELECT count(*) AS groups, avg(CAST(filtered AS DOUBLE)) AS filtered, "
         "avg(CAST(coalesce(filter_reason = 'all_correct', false) AS DOUBLE)) AS all_correct, "
@@ -92,6 +87,7 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args()
 
+    from buffer import BufferSQL
     from pipeline.ablate import Ablation, Cell, parse_list, run_ablation, seed_value
 
     seeds = parse_list("--seeds", args.seeds, seed_value)
@@ -120,11 +116,12 @@ def main() -> None:
         label, g = meta[c.name]
         run = ab.cell_dir(c)
         result = json.loads((run / "cell.json").read_text())
-        tokens = tokens_by_version(run)
+        db = BufferSQL(run)
+        tokens = tokens_by_version(db)
         curve = [{**p, "generated_tokens": generated_before(tokens, p["version"])} for p in result["curve"]]
         per_cell.append({"cell": c.name, "setting": label, "seed": c.seed, "G": g, "curve": curve,
                          "final_accuracy": result["row"]["final_accuracy"],
-                         "generated_tokens": sum(tokens.values()), **group_figures(run, g)})
+                         "generated_tokens": sum(tokens.values()), **group_figures(db, g)})
     budget = min(r["curve"][-1]["generated_tokens"] for r in per_cell)
     for r in per_cell:
         within = [p for p in r["curve"] if p["generated_tokens"] <= budget]

@@ -13,6 +13,7 @@ import pytest
 from buffer import Completion, Group
 
 REPO = Path(__file__).resolve().parent.parent
+CACHE = REPO / "runs" / ".cache"   # the warm-started model, shared with `make run` (built once)
 
 
 def make_group(version: int, rewards, *, prompt_id: str = "p", tokens: int = 4, seed: int = 0,

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from buffer import BufferSQL, GroupIndex, Sampler, ShardWriter
-from conftest import REPO, make_group, run_cli
+from conftest import CACHE, make_group, run_cli
 
-CACHE = REPO / "runs" / ".cache"
 GPS = 4  # groups per step
 SMALL = [f"model.cache_dir={CACHE}", "trainer.max_steps=3", "run.time_limit_s=none", "run.eval_size=20",
          f"trainer.groups_per_step={GPS}", "generator.prompts_per_batch=8", "generator.num_generations=4",

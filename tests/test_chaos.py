@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from conftest import REPO
-from test_run import CACHE, processes_of
+from conftest import CACHE, REPO
+from test_run import processes_of
 
 
 @pytest.mark.slow

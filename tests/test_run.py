@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 
 from buffer import BufferSQL
-from conftest import REPO
-
-CACHE = REPO / "runs" / ".cache"
+from conftest import CACHE, REPO
 
 
 def start_run(run: Path, *sets: str) -> subprocess.Popen:

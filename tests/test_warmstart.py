@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import CACHE
 from workers.checks import ConfigError
 from workers.evaluate import complete, evaluate, greedy_accuracy, greedy_accuracy_folder
 from workers.model import init_model, load_model, load_tokenizer
@@ -29,7 +29,7 @@ def base(tmp_path_factory) -> Path:
 def default_model() -> Path:
     """The default warm start (default task and steps), from the cache `make run` and the other
     end-to-end tests share (built once, ~1-2 min, by whichever needs it first)."""
-    return cached_model(REPO / "runs" / ".cache", TaskConfig(), WarmstartConfig())
+    return cached_model(CACHE, TaskConfig(), WarmstartConfig())
 
 
 def test_sft_tensors_mask_answer_and_eos_only(base):
