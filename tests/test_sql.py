@@ -56,6 +56,25 @@ def test_empty_buffer_gives_empty_views(buf):
     assert cols == ROLLOUT_SCHEMA.names
 
 
+
+@pytest.mark.parametrize("old_first", [True, False])
+def test_shard_of_an_older_schema_is_read_not_quarantined(buf, old_first):
+    """A shard lacking a column (an older writer) switches the views to union_by_name: its rows read
+    with NULL there, nothing is quarantined, whether it comes first (bind) or later (scan)."""
+    with ShardWriter(buf, flush_groups=1, flush_seconds=None) as w:
+        for i in range(2):
+            w.append(make_group(i, [1, 0], prompt_id=f"p{i}"))
+    old = pq.read_table(w.shards_written[0]).drop(["top_k", "writer_id"])
+    w.shards_written[0].unlink()
+    pq.write_table(old, buf / "shards" / ("a-old.parquet" if old_first else "z-old.parquet"))
+    db = BufferSQL(buf)
+    rows = db.query("SELECT prompt_id, top_k IS NULL AS no_k, writer_id FROM rollouts "
+                    "ORDER BY prompt_id").to_pylist()
+    assert [r["prompt_id"] for r in rows] == ["p0", "p0", "p1", "p1"]
+    assert [r["writer_id"] for r in rows] == [None, None, w.writer_id, w.writer_id]
+    assert db.query("SELECT count(*) AS n FROM quarantined").to_pylist() == [{"n": 0}]
+    assert not any((buf / "quarantine").iterdir())
+
 @pytest.mark.parametrize("query", [
     "COPY rollouts TO '{run}/buffer/shards/evil.parquet'",
     "COPY (SELECT 1 AS a) TO '{shard}' (USE_TMP_FILE false)",
