@@ -5,9 +5,9 @@ shards make every query slow. Compaction, under the buffer lock:
 
 1. picks live shards older than `min_age_s` (sealed: their writers are long done
    with them) and smaller than `target_groups`, oldest first;
-2. writes each batch of them as one c-file, one row group per source shard, so
-   a pull still reads only the row groups it needs; the c-file is invisible
-   until step 3;
+2. writes each batch of them as one c-file, keeping the sources' row groups
+   (each holds whole groups), so a pull still reads only the row groups it
+   needs; the c-file is invisible until step 3;
 3. replaces the manifest: the c-file becomes live and its sources replaced, in
    one atomic rename;
 4. deletes files replaced more than `grace_s` ago, then drops them from the
@@ -121,16 +121,20 @@ def _merge(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
         with atomic_file(d.tmp, d.shards / out_name) as f:
             for p in batch:
                 try:
-                    t = pq.read_table(p, page_checksum_verification=True)
+                    pf = pq.ParquetFile(p, page_checksum_verification=True)
+                    parts = [pf.read_row_group(i) for i in range(pf.metadata.num_row_groups)]
                 except Exception as e:  # noqa: BLE001
                     d.quarantine(p, f"unreadable during compaction: {type(e).__name__}: {e}")
                     if writer is not None:
                         writer.close()
                     raise _Abort from e
-                if writer is None:
-                    writer = pq.ParquetWriter(f, t.schema.remove_metadata(), **parquet_write_options())
-                writer.write_table(t, row_group_size=max(t.num_rows, 1))
-                groups += len(set(t.column("group_id").to_pylist()))
+                for t in parts:  # the source's row groups as they were: they hold whole groups
+                    if writer is None:
+                        writer = pq.ParquetWriter(f, t.schema.remove_metadata(), **parquet_write_options())
+                    writer.write_table(t, row_group_size=max(t.num_rows, 1))
+                    groups += len(set(t.column("group_id").to_pylist()))
+            if writer is None:   # sources without rows: nothing to merge
+                raise _Abort
             writer.add_key_value_metadata({"asyncgrpo.groups": str(groups)})
             writer.close()
     except _Abort:  # atomic_file removed the temp file; nothing became visible

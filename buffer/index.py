@@ -97,6 +97,7 @@ class GroupIndex:
         self.available = _Grow.of(np.bool_)
         self.file_idx = _Grow.of(np.int32)
         self.row_group = _Grow.of(np.int32)
+        self.row_start = _Grow.of(np.int32)   # first row of the group within its row group
         self.files: list[Path] = []           # file_idx -> path
         self._file_of: dict[str, int] = {}    # live file name -> file_idx
         self._ledger_seen: set[str] = set()
@@ -111,22 +112,23 @@ class GroupIndex:
     # -- refresh -----------------------------------------------------------------
     def refresh(self) -> None:
         """Index shards and ledger records that appeared; follow files that went away."""
-        live = self.dir.live_shards()
-        live_names = {p.name for p in live}
-        for p in live:
-            if p.name not in self._file_of and p.name not in self.unreadable:
-                self._index_shard(p)
-        gone = [name for name in self._file_of if name not in live_names]
+        live_names = self.dir.live_shard_names()
+        for name in live_names:
+            if name not in self._file_of and name not in self.unreadable:
+                self._index_shard(self.dir.shards / name)
+        live_set = set(live_names)
+        gone = [name for name in self._file_of if name not in live_set]
         for name in gone:
             fidx = self._file_of.pop(name)
             lost = self.file_idx.view == fidx
             self.available.view[lost] = False
-        for p in self.dir.ledger_shards():
-            if p.name in self._ledger_seen:
+        for name in self.dir.ledger_shard_names():
+            if name in self._ledger_seen:
                 continue
+            p = self.dir.ledger / name
             if self.as_of_step is not None and ledger_step(p) > self.as_of_step:
                 continue
-            self._ledger_seen.add(p.name)
+            self._ledger_seen.add(name)
             self.add_uses(pq.read_table(p, columns=["group_id"]).column(0).to_pylist())
 
     def mark_ledger_seen(self, name: str) -> None:
@@ -184,6 +186,7 @@ class GroupIndex:
         if (rgs != rg_last).any():
             self.mark_unreadable(path, "a group spans two row groups")
             return
+        starts = (first - rg_starts[rgs]).astype(np.int32)
         fidx = len(self.files)
         self.files.append(path)
         self._file_of[path.name] = fidx
@@ -201,6 +204,7 @@ class GroupIndex:
             idx = self.id_to_idx[uniq[i]]
             self.file_idx.view[idx] = fidx
             self.row_group.view[idx] = rgs[i]
+            self.row_start.view[idx] = starts[i]
             self.available.view[idx] = True
         if new:
             sel = np.asarray(new)
@@ -217,6 +221,7 @@ class GroupIndex:
             self.available.extend(np.ones(len(new), np.bool_))
             self.file_idx.extend(np.full(len(new), fidx, np.int32))
             self.row_group.extend(rgs[sel])
+            self.row_start.extend(starts[sel])
 
     # -- states and counts -------------------------------------------------------
     def states(self, trainer_version: int, max_staleness: int | None, reuse: int = 1) -> np.ndarray:

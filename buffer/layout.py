@@ -28,7 +28,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,12 +70,14 @@ class StorageError(BufferError, OSError):
 
 
 @contextmanager
-def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[BinaryIO]:
+def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True,
+                before_rename: Callable[[], None] | None = None) -> Iterator[BinaryIO]:
     """A binary file that appears at `final` only when the block succeeds.
 
     Written under a temp name in `tmp_dir`, fsynced, then renamed; if the block
-    raises, the temp file is removed and `final` is untouched. An OSError (disk
-    full, read-only) comes out as a StorageError naming `final`.
+    (or `before_rename`, called after the fsync) raises, the temp file is
+    removed and `final` is untouched. An OSError (disk full, read-only) comes
+    out as a StorageError naming `final`.
     """
     tmp = tmp_dir / tmp_name(final.name)
     try:
@@ -84,6 +86,8 @@ def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[B
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, final)
     except BaseException as e:
         try:
@@ -170,8 +174,8 @@ class BufferDir:
         raw = {"generation": m.generation, "compacted": list(m.compacted), "replaced": m.replaced}
         atomic_write_bytes(self.tmp, self.manifest_path, json.dumps(raw, indent=1).encode())
 
-    def live_shards(self) -> list[Path]:
-        """The live rollout shards, sorted by name (writer id, then sequence)."""
+    def live_shard_names(self) -> list[str]:
+        """File names of the live rollout shards, sorted (writer id, then sequence)."""
         manifest = self.read_manifest()  # first the manifest, then the listing: see module doc
         compacted = set(manifest.compacted)
         live = []
@@ -180,12 +184,20 @@ class BufferDir:
                 continue
             if name.startswith("c-") and name not in compacted:
                 continue
-            live.append(self.shards / name)
-        live.sort(key=lambda p: p.name)
+            live.append(name)
+        live.sort()
         return live
 
+    def live_shards(self) -> list[Path]:
+        """The live rollout shards, sorted by name."""
+        return [self.shards / name for name in self.live_shard_names()]
+
+    def ledger_shard_names(self) -> list[str]:
+        """File names of the ledger shards ('step-<step>-<seq>.parquet'), sorted by step."""
+        return sorted(n for n in os.listdir(self.ledger) if n.startswith("step-") and n.endswith(SHARD_SUFFIX))
+
     def ledger_shards(self) -> list[Path]:
-        return sorted(p for p in self.ledger.glob("step-*" + SHARD_SUFFIX))
+        return [self.ledger / name for name in self.ledger_shard_names()]
 
     # -- quarantine --------------------------------------------------------------
     def quarantine(self, shard: Path, reason: str) -> Path | None:

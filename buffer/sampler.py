@@ -32,6 +32,7 @@ from buffer.schema import LEDGER_SCHEMA, staleness
 
 Order = Literal["oldest", "newest", "uniform"]
 ORDERS: tuple[Order, ...] = ("oldest", "newest", "uniform")
+FOOTER_CACHE = 256  # shards whose footer a sampler keeps (about 1 ms to parse again)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Sampler:
             self._abandon_after(as_of_step)
         self.index = GroupIndex(self.dir.root, quarantine=True)
         self._step_seq: dict[int, int] = {}
+        self._footers: dict[int, pq.FileMetaData] = {}   # file_idx -> footer, least recently read first
         for p in self.dir.ledger_shards():
             s = ledger_step(p)
             self._step_seq[s] = max(self._step_seq.get(s, 0), int(p.stem.split("-")[2]) + 1)
@@ -140,31 +142,57 @@ class Sampler:
         return eligible[order[:n]]
 
     def _read_groups(self, chosen: np.ndarray) -> pa.Table | None:
-        """Rows of the chosen groups in pull order; None if a shard proved unreadable."""
+        """Rows of the chosen groups in pull order; None if a shard proved unreadable.
+
+        Reads only the row groups that hold a chosen group and takes the groups'
+        rows by position (the index knows each group's row group and first row),
+        then checks every row's group_id against the index.
+        """
         idx = self.index
-        want = pa.array([idx.group_ids[i] for i in chosen])
-        parts = []
         files = idx.file_idx.view[chosen]
-        for fidx in np.unique(files):
+        row_group = idx.row_group.view[chosen]
+        base = np.zeros(len(chosen), dtype=np.int64)   # first row of each group in the concatenation
+        parts, offset = [], 0
+        for fidx in np.unique(files).tolist():
             path = idx.files[fidx]
-            in_file = chosen[files == fidx]
-            rgs = np.unique(idx.row_group.view[in_file]).tolist()
+            here = np.flatnonzero(files == fidx)
+            rgs = np.unique(row_group[here])
             try:
-                t = pq.ParquetFile(path, page_checksum_verification=True).read_row_groups(rgs)
+                pf = pq.ParquetFile(path, metadata=self._footer(fidx), page_checksum_verification=True)
+                t = pf.read_row_groups(rgs.tolist())
             except Exception as e:  # noqa: BLE001 - FileNotFound (deleted) or corrupt data pages
                 idx.mark_unreadable(path, f"unreadable during pull: {type(e).__name__}: {e}")
                 return None
-            parts.append(t.filter(pc.is_in(t.column("group_id"), value_set=want)))
+            rg_rows = np.array([pf.metadata.row_group(r).num_rows for r in rgs.tolist()], dtype=np.int64)
+            rg_first = offset + np.cumsum(rg_rows) - rg_rows
+            base[here] = rg_first[np.searchsorted(rgs, row_group[here])] + idx.row_start.view[chosen[here]]
+            offset += t.num_rows
+            parts.append(t)
         table = pa.concat_tables(parts, promote_options="default")
-        pos = pc.index_in(table.column("group_id"), value_set=want)
-        got = np.bincount(pos.to_numpy(), minlength=len(chosen))
-        if (got != idx.group_size.view[chosen]).any():
-            bad = int(np.argmax(got != idx.group_size.view[chosen]))
+        sizes = idx.group_size.view[chosen].astype(np.int64)
+        ends = np.cumsum(sizes)
+        rows = np.repeat(base - (ends - sizes), sizes) + np.arange(int(ends[-1]))
+        want = np.repeat(np.arange(len(chosen)), sizes)
+        ok = rows < table.num_rows
+        got = pa.array([idx.group_ids[i] for i in chosen]).take(pa.array(want))
+        if ok.all():
+            table = table.take(pa.array(rows))
+            ok = pc.equal(table.column("group_id"), got).to_numpy(zero_copy_only=False)
+        if not ok.all():
+            bad = int(want[np.argmin(ok)])
             idx.mark_unreadable(idx.files[files[bad]], f"partial group {idx.group_ids[chosen[bad]]!r}")
             return None
-        order = pc.sort_indices(pa.table({"p": pos, "s": table.column("sample_index")}),
-                                sort_keys=[("p", "ascending"), ("s", "ascending")])
-        return table.take(order)
+        return table
+
+    def _footer(self, fidx: int) -> pq.FileMetaData:
+        """The footer of shard `fidx`, cached for the most recently read shards (files never change)."""
+        meta = self._footers.pop(fidx, None)
+        if meta is None:
+            meta = pq.read_metadata(self.index.files[fidx])
+        self._footers[fidx] = meta
+        while len(self._footers) > FOOTER_CACHE:
+            self._footers.pop(next(iter(self._footers)))
+        return meta
 
     def _record(self, group_ids: list[str], versions: np.ndarray, uses: np.ndarray,
                 trainer_step: int, trainer_version: int) -> Path:

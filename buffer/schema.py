@@ -52,6 +52,9 @@ _ROLLOUT_COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
 ROLLOUT_SCHEMA = pa.schema([pa.field(n, t, nullable=nl) for n, t, nl, _ in _ROLLOUT_COLUMNS])
 ROLLOUT_COLUMN_DOCS: dict[str, str] = {n: d for n, _, _, d in _ROLLOUT_COLUMNS}
 STRING_COLUMNS = [n for n, t, _, _ in _ROLLOUT_COLUMNS if t == pa.string()]
+# String columns whose values repeat (per group, writer or run): dictionary-encoded.
+# traj_id and completion are unique per row, where a dictionary is pure cost.
+DICTIONARY_COLUMNS = [n for n in STRING_COLUMNS if n not in ("traj_id", "completion")]
 
 # Columns the group index reads from every new shard: small scalars only.
 INDEX_COLUMNS = ["group_id", "group_size", "version", "filtered", "filter_reason", "created_at",
@@ -80,10 +83,11 @@ def staleness(trainer_version, group_version):
 def parquet_write_options() -> dict:
     """Settings for every Parquet file the buffer writes.
 
-    zstd; dictionary encoding only on string columns (on the token and log-prob
-    lists it is the main cost of writing and saves nothing); statistics on
-    scalar columns only.
+    zstd; dictionary encoding only on string columns whose values repeat (on
+    the token and log-prob lists it is the main cost of writing and saves
+    nothing, on unique strings it is pure cost); statistics on scalar columns
+    only.
     """
     scalar = [n for n, t, _, _ in _ROLLOUT_COLUMNS if not pa.types.is_nested(t)]
-    return dict(compression="zstd", use_dictionary=STRING_COLUMNS, write_statistics=scalar,
+    return dict(compression="zstd", use_dictionary=DICTIONARY_COLUMNS, write_statistics=scalar,
                 write_page_checksum=True)

@@ -5,6 +5,13 @@ A `ShardWriter` keeps finished groups in memory and writes one shard every
 `flush_if_due`), and on close. A shard is written to tmp/ and renamed into
 shards/, so a reader never sees a partial file and a kill -9 loses only the
 groups not yet flushed.
+
+Shards full at `flush_groups` are written by `FLUSH_THREADS` background threads
+(`background=False` writes them inline), renamed strictly in sequence; `flush`,
+`flush_if_due` and `close` wait until every shard is visible. Measured with
+bench/buffer.py on 2 cores: 47,400 trajectories/s against 43,000 for plain
+sequential pq.write_table calls of the same rows in the same run; inline, the
+writer ran at 0.83 of plain (23,900 against 28,700 in a paired run).
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import itertools
 import math
 import os
 import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,14 +198,51 @@ def _const_strings(value: str, n: int) -> pa.StringArray:
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data * n))
 
 
+ROW_GROUP_GROUPS = 64
+"""Groups per Parquet row group (whole groups: a pull reads whole row groups).
+Smaller row groups waste less of a pull's reading, but cost more everywhere
+else: measured at 8 groups against 64 (bench/buffer.py, 2 cores), appends were
+35% slower and an aggregate over 1,563 shards took 1.34 s instead of 0.71 s,
+for pulls 10% faster. With the default flush of 64 groups a shard is one row group."""
+
+
+def write_grouped(f, table: pa.Table, sizes: list[int], groups_per_row_group: int) -> None:
+    """Write `table` (rows of consecutive groups of `sizes` rows) with row groups of whole groups."""
+    cuts = np.cumsum(sizes)[groups_per_row_group - 1::groups_per_row_group].tolist()
+    if not cuts or cuts[-1] != table.num_rows:
+        cuts.append(table.num_rows)
+    with pq.ParquetWriter(f, table.schema, **parquet_write_options()) as w:
+        start = 0
+        for end in cuts:
+            w.write_table(table.slice(start, end - start), row_group_size=end - start)
+            start = end
+
+
+FLUSH_THREADS = 2
+"""Shards a writer may have in flight. Encoding and compressing a shard runs
+outside the GIL, and fsync waits on the disk, so two flush threads let the
+next shard be built and encoded while the last one is compressed or synced."""
+
+
+@dataclass
+class _Job:
+    pending: list[tuple[Group, str, float]]
+    seq: int
+    final: Path
+    future: Future | None = None
+
+
 class ShardWriter:
-    """Appends whole groups to a buffer; one writer per process."""
+    """Appends whole groups to a buffer; one writer per process (its methods from one thread)."""
 
     def __init__(self, root: str | os.PathLike, *, generator_id: str = "generator",
                  flush_groups: int = 64, flush_seconds: float | None = 10.0,
-                 advantage_std: StdMode = "sample", eps: float = 1e-6, fsync: bool = True):
+                 advantage_std: StdMode = "sample", eps: float = 1e-6, fsync: bool = True,
+                 row_group_groups: int = ROW_GROUP_GROUPS, background: bool = True):
         if flush_groups < 1:
             raise BufferError(f"flush_groups must be >= 1, got {flush_groups}")
+        if row_group_groups < 1:
+            raise BufferError(f"row_group_groups must be >= 1, got {row_group_groups}")
         if flush_seconds is not None and flush_seconds <= 0:
             raise BufferError(f"flush_seconds must be > 0 or None, got {flush_seconds}")
         self.dir = BufferDir(root, create=True)
@@ -205,14 +251,25 @@ class ShardWriter:
         self.writer_id = self.dir.allocate_writer_id(generator_id)
         self.flush_groups, self.flush_seconds = flush_groups, flush_seconds
         self.advantage_std, self.eps, self.fsync = advantage_std, eps, fsync
+        self.row_group_groups = row_group_groups
         self._seq = 0          # shards written
         self._next_group = 0   # groups appended
         self._pending: list[tuple[Group, str, float]] = []
         self._oldest_pending: float | None = None
         self.shards_written: list[Path] = []
+        self.background = background
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: deque[_Job] = deque()   # shards being written, oldest first
 
     def append(self, group: Group) -> str:
-        """Queue one group; returns its group_id. Flushes when a limit is reached."""
+        """Queue one group; returns its group_id. Flushes when a limit is reached.
+
+        With `background` the flush at `flush_groups` groups is handed to the
+        flush threads and append returns at once; an error of such a flush
+        (disk full) is raised by a later append, flush or close, with the
+        groups of the shards that failed back in the queue.
+        """
+        self._reap()
         _check_group(group)
         group_id = f"{self.writer_id}-{self._next_group:08d}"
         self._next_group += 1
@@ -221,7 +278,10 @@ class ShardWriter:
         if self._oldest_pending is None:
             self._oldest_pending = now
         if len(self._pending) >= self.flush_groups:
-            self.flush()
+            if self.background:
+                self._submit()
+            else:
+                self.flush()
         else:
             self.flush_if_due()
         return group_id
@@ -235,29 +295,100 @@ class ShardWriter:
 
     @property
     def pending_groups(self) -> int:
-        return len(self._pending)
+        """Groups appended but not yet visible to readers (queued, or in a shard being written)."""
+        self._reap(raise_errors=False)
+        return len(self._pending) + sum(len(job.pending) for job in self._inflight)
 
     def flush(self) -> Path | None:
-        """Write every waiting group as one shard (tmp, then rename). None if none wait."""
-        if not self._pending:
-            return None
-        table = self._build_table(self._pending)
-        final = self.dir.shards / f"{self.writer_id}-{self._seq:06d}.parquet"
-        with atomic_file(self.dir.tmp, final, fsync=self.fsync) as f:
-            pq.write_table(table, f, **parquet_write_options())
-        self._seq += 1
-        self._pending, self._oldest_pending = [], None
-        self.shards_written.append(final)
-        return final
+        """Write every waiting group as one shard (tmp, then rename) and wait until every shard
+        of this writer is visible. Returns the last shard made visible, None if nothing waited."""
+        before = len(self.shards_written)
+        if self._pending:
+            self._submit()
+        self._reap(keep=0)
+        return self.shards_written[-1] if len(self.shards_written) > before else None
+
+    def wait(self) -> None:
+        """Wait until every shard handed to the flush threads is visible; queued groups stay queued."""
+        self._reap(keep=0)
 
     def close(self) -> None:
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     def __enter__(self) -> "ShardWriter":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # -- the flush pipeline -------------------------------------------------------
+    def _submit(self) -> None:
+        """Start writing the queued groups as the next shard (inline without `background`)."""
+        job = _Job(self._pending, self._seq, self.dir.shards / f"{self.writer_id}-{self._seq:06d}.parquet")
+        self._pending, self._oldest_pending = [], None
+        self._seq += 1
+        if not self.background:
+            job.future = Future()
+            try:
+                job.future.set_result(self._write_shard(job, None))
+            except BaseException as e:  # noqa: BLE001 - handed to _reap, which restores and raises
+                job.future.set_exception(e)
+            self._inflight.append(job)
+            self._reap(keep=0)
+            return
+        while sum(not j.future.done() for j in self._inflight) >= FLUSH_THREADS:  # bounded memory
+            wait([j.future for j in self._inflight], return_when=FIRST_COMPLETED)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix=f"flush-{self.writer_id}")
+        prev = self._inflight[-1].future if self._inflight else None
+        job.future = self._pool.submit(self._write_shard, job, prev)
+        self._inflight.append(job)
+
+    def _write_shard(self, job: "_Job", prev: Future | None) -> Path:
+        table = self._build_table(job.pending)
+        sizes = [len(g.completions) for g, _, _ in job.pending]
+
+        def after_predecessor() -> None:
+            # Shards become visible in sequence: a failed shard stops the ones after it, so
+            # what readers see of a writer is always its first k shards.
+            if prev is not None:
+                prev.result()
+
+        with atomic_file(self.dir.tmp, job.final, fsync=self.fsync, before_rename=after_predecessor) as f:
+            write_grouped(f, table, sizes, self.row_group_groups)
+        return job.final
+
+    def _reap(self, keep: int | None = None, *, raise_errors: bool = True) -> None:
+        """Record finished shards in order; with `keep`, first wait until at most `keep` are in flight.
+
+        If a shard failed, every shard after it failed too (see `_write_shard`):
+        their groups go back to the front of the queue, the sequence number back
+        to the failed shard's, and the first error is raised (left in flight
+        without `raise_errors`).
+        """
+        while self._inflight:
+            job = self._inflight[0]
+            if not job.future.done() and (keep is None or len(self._inflight) <= keep):
+                return
+            try:
+                job.future.result()
+            except BaseException:
+                if not raise_errors:
+                    return
+                failed = list(self._inflight)
+                self._inflight.clear()
+                wait([j.future for j in failed])
+                self._pending = [item for j in failed for item in j.pending] + self._pending
+                self._oldest_pending = self._pending[0][2]
+                self._seq = failed[0].seq
+                raise
+            self._inflight.popleft()
+            self.shards_written.append(job.final)
 
     def _build_table(self, pending: list[tuple[Group, str, float]]) -> pa.Table:
         """One Arrow table of the waiting groups, built column by column.

@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from buffer import (ROLLOUT_SCHEMA, BufferDir, BufferError, BufferSQL, Completion, Group, ShardWriter,
-                    filter_reason, group_reward_stats)
+from buffer import (ROLLOUT_SCHEMA, BufferDir, BufferError, BufferSQL, Completion, Group, Sampler, ShardWriter,
+                    StorageError, filter_reason, group_reward_stats)
 from buffer.layout import tmp_name
 from conftest import make_group
 
@@ -68,10 +68,13 @@ def test_round_trip_every_column(buf):
     assert [r["correct"] for r in rows] == [True, False, True, False]
 
 
-def test_flush_every_n_groups_and_on_close(buf):
-    w = ShardWriter(buf, flush_groups=4, flush_seconds=None)
+@pytest.mark.parametrize("background", [False, True])
+def test_flush_every_n_groups_and_on_close(buf, background):
+    w = ShardWriter(buf, flush_groups=4, flush_seconds=None, background=background)
     for i in range(10):
         w.append(make_group(0, [1, 0], prompt_id=f"p{i}"))
+    if background:
+        w.wait()
     assert len(w.shards_written) == 2 and w.pending_groups == 2
     w.close()
     assert [pq.read_metadata(p).num_rows for p in w.shards_written] == [8, 8, 4]
@@ -101,9 +104,28 @@ def test_parquet_settings(buf):
     for name in ("completion_ids.list.element", "behavior_logprobs.list.element", "prompt_ids.list.element"):
         assert not dict_enc & set(cols[name].encodings), name
         assert not cols[name].is_stats_set, name
-    assert dict_enc & set(cols["prompt"].encodings)
+    assert not dict_enc & (set(cols["traj_id"].encodings) | set(cols["completion"].encodings))  # unique values
+    assert all(dict_enc & set(cols[name].encodings) for name in ("prompt", "group_id", "finish_reason"))
     assert cols["version"].is_stats_set and cols["version"].statistics.max == 0
     assert meta.metadata[b"asyncgrpo.groups"] == b"1"
+
+
+@pytest.mark.parametrize("per_rg, expect", [(2, [5, 4, 4]), (3, [6, 7]), (5, [13]), (1, [2, 3, 1, 3, 4])])
+def test_row_groups_hold_whole_groups(buf, per_rg, expect):
+    """Row groups of `row_group_groups` whole groups (a pull reads whole row groups), the last one short."""
+    with ShardWriter(buf, flush_seconds=None, row_group_groups=per_rg) as w:
+        for i, g in enumerate([2, 3, 1, 3, 4]):
+            w.append(make_group(0, [1, 0, 1, 0][:g] if g > 1 else [1], prompt_id=f"p{i}"))
+    meta = pq.read_metadata(w.shards_written[0])
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == expect
+    assert meta.metadata[b"asyncgrpo.groups"] == b"5"
+    with Sampler(buf) as s:
+        assert s.pull(4, trainer_version=0, trainer_step=0, max_staleness=None).table.num_rows == 12
+
+
+def test_row_group_groups_must_be_positive(buf):
+    with pytest.raises(BufferError, match="row_group_groups must be >= 1, got 0"):
+        ShardWriter(buf, row_group_groups=0)
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -227,3 +249,40 @@ def test_python_list_tokens_and_numpy_tokens_give_the_same_shard(buf, tmp_path):
             w.append(make_group(0, [1.0], tokens=1))
             w.append(Group(prompt_id="big", prompt="x", prompt_ids=[1], version=0,
                            completions=[Completion("a", np.array([2**31]), [0.0], 1.0)]))
+
+
+def test_background_flush_failure_stops_later_shards_and_requeues_their_groups(buf, monkeypatch):
+    """A shard that fails in a flush thread stops the shards after it (readers only ever see a writer's
+    first k shards); its error comes out of the next call, every group of the failed shards is queued
+    again in order, and a retry writes them under the same names: nothing lost, nothing twice."""
+    import errno
+    import threading
+
+    import buffer.writer as writer_mod
+
+    real, gate = writer_mod.write_grouped, threading.Event()
+
+    def failing(f, table, sizes, per_rg):
+        if table.column("group_id")[0].as_py().endswith("-00000002"):   # the second shard
+            gate.wait(10)                                                 # until the third is queued
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(f, table, sizes, per_rg)
+
+    monkeypatch.setattr(writer_mod, "write_grouped", failing)
+    w = ShardWriter(buf, flush_groups=2, flush_seconds=None)
+    ids = [w.append(make_group(0, [1, 0], prompt_id=f"p{i}")) for i in range(6)]  # shards 0, 1, 2
+    gate.set()
+    with pytest.raises(StorageError, match=r"cannot write .*/shards/w000000-000001\.parquet: No space left"):
+        w.flush()
+    assert [p.name for p in w.shards_written] == ["w000000-000000.parquet"]
+    assert sorted(os.listdir(buf / "shards")) == ["w000000-000000.parquet"] and os.listdir(buf / "tmp") == []
+    assert w.pending_groups == 4
+    monkeypatch.setattr(writer_mod, "write_grouped", real)
+    w.append(make_group(0, [1, 0], prompt_id="p6"))
+    w.close()
+    # the 4 requeued groups and the new one reach flush_groups together: one shard, the failed one's name
+    assert [p.name for p in w.shards_written] == ["w000000-000000.parquet", "w000000-000001.parquet"]
+    got = BufferSQL(buf).query("SELECT group_id, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1").to_pylist()
+    assert got == [{"group_id": g, "n": 2} for g in ids + ["w000000-00000006"]]
+    assert [pq.read_table(p).column("group_id").to_pylist()[::2] for p in w.shards_written] == \
+        [ids[0:2], ids[2:6] + ["w000000-00000006"]]

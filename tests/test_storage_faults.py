@@ -56,14 +56,16 @@ def test_full_disk_shard_flush_names_the_shard_and_keeps_flushed_ones(buf):
         w = ShardWriter({str(buf)!r}, flush_groups=2, flush_seconds=None)
         for i in range(2):
             w.append(make_group(0, [1, 0, 0, 1], prompt_id=f"p{{i}}", seed=i, tokens=64))
+        w.wait()                # the first shard is on disk before the limit
         limit(2000)
+        for i in range(2, 4):   # the second append hands the shard to a flush thread
+            w.append(make_group(0, [1, 0, 0, 1], prompt_id=f"p{{i}}", seed=i, tokens=64))
         try:
-            for i in range(2, 4):
-                w.append(make_group(0, [1, 0, 0, 1], prompt_id=f"p{{i}}", seed=i, tokens=64))
+            w.flush()           # waits for it: its error comes out here
         except StorageError as e:
             print(json.dumps({{"error": str(e), "errno": e.errno, "pending": w.pending_groups}}))
     """)
-    assert out["errno"] == 27 and out["pending"] == 2     # EFBIG; the groups stay in memory for a retry
+    assert out["errno"] == 27 and out["pending"] == 2     # EFBIG; the groups are back in memory for a retry
     assert out["error"].startswith(f"cannot write {buf}/shards/w000000-000001.parquet: File too large [EFBIG]; "
                                    "free disk space")
     assert os.listdir(buf / "tmp") == []                  # no temp file left behind
