@@ -32,7 +32,7 @@ from buffer.schema import LEDGER_SCHEMA, staleness
 
 Order = Literal["oldest", "newest", "uniform"]
 ORDERS: tuple[Order, ...] = ("oldest", "newest", "uniform")
-FOOTER_CACHE = 256  # shards whose footer a sampler keeps (about 1 ms to parse again)
+CACHE_BYTES = 256 << 20  # decoded row groups a sampler keeps for later pulls
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Sampler:
     """Staleness-limited pulls of whole groups, with the ledger replayed on open."""
 
     def __init__(self, root: str | os.PathLike, *, as_of_step: int | None = None, reuse: int = 1,
-                 order: Order = "oldest", seed: int = 0):
+                 order: Order = "oldest", seed: int = 0, cache_bytes: int = CACHE_BYTES):
         if reuse < 1:
             raise BufferError(f"reuse must be >= 1 (times a group may be trained on), got {reuse}")
         if order not in ORDERS:
@@ -74,7 +74,9 @@ class Sampler:
             self._abandon_after(as_of_step)
         self.index = GroupIndex(self.dir.root, quarantine=True)
         self._step_seq: dict[int, int] = {}
-        self._footers: dict[int, pq.FileMetaData] = {}   # file_idx -> footer, least recently read first
+        self.cache_bytes = cache_bytes
+        self._cache: dict[tuple[int, int], pa.Table] = {}   # (file_idx, row group) -> rows, LRU first
+        self._cache_bytes = 0
         for p in self.dir.ledger_shards():
             s = ledger_step(p)
             self._step_seq[s] = max(self._step_seq.get(s, 0), int(p.stem.split("-")[2]) + 1)
@@ -144,9 +146,10 @@ class Sampler:
     def _read_groups(self, chosen: np.ndarray) -> pa.Table | None:
         """Rows of the chosen groups in pull order; None if a shard proved unreadable.
 
-        Reads only the row groups that hold a chosen group and takes the groups'
-        rows by position (the index knows each group's row group and first row),
-        then checks every row's group_id against the index.
+        Reads only the row groups that hold a chosen group (decoded row groups
+        of recent pulls come from the cache) and takes the groups' rows by
+        position (the index knows each group's row group and first row), then
+        checks every row's group_id against the index.
         """
         idx = self.index
         files = idx.file_idx.view[chosen]
@@ -154,29 +157,25 @@ class Sampler:
         base = np.zeros(len(chosen), dtype=np.int64)   # first row of each group in the concatenation
         parts, offset = [], 0
         for fidx in np.unique(files).tolist():
-            path = idx.files[fidx]
             here = np.flatnonzero(files == fidx)
-            rgs = np.unique(row_group[here])
-            try:
-                pf = pq.ParquetFile(path, metadata=self._footer(fidx), page_checksum_verification=True)
-                t = pf.read_row_groups(rgs.tolist())
-            except Exception as e:  # noqa: BLE001 - FileNotFound (deleted) or corrupt data pages
-                idx.mark_unreadable(path, f"unreadable during pull: {type(e).__name__}: {e}")
+            rgs = np.unique(row_group[here]).tolist()
+            tables = self._row_groups(fidx, rgs)
+            if tables is None:
                 return None
-            rg_rows = np.array([pf.metadata.row_group(r).num_rows for r in rgs.tolist()], dtype=np.int64)
+            rg_rows = np.array([t.num_rows for t in tables], dtype=np.int64)
             rg_first = offset + np.cumsum(rg_rows) - rg_rows
             base[here] = rg_first[np.searchsorted(rgs, row_group[here])] + idx.row_start.view[chosen[here]]
-            offset += t.num_rows
-            parts.append(t)
+            offset += int(rg_rows.sum())
+            parts.extend(tables)
         table = pa.concat_tables(parts, promote_options="default")
         sizes = idx.group_size.view[chosen].astype(np.int64)
         ends = np.cumsum(sizes)
         rows = np.repeat(base - (ends - sizes), sizes) + np.arange(int(ends[-1]))
         want = np.repeat(np.arange(len(chosen)), sizes)
         ok = rows < table.num_rows
-        got = pa.array([idx.group_ids[i] for i in chosen]).take(pa.array(want))
         if ok.all():
             table = table.take(pa.array(rows))
+            got = pa.array([idx.group_ids[i] for i in chosen]).take(pa.array(want))
             ok = pc.equal(table.column("group_id"), got).to_numpy(zero_copy_only=False)
         if not ok.all():
             bad = int(want[np.argmin(ok)])
@@ -184,15 +183,44 @@ class Sampler:
             return None
         return table
 
-    def _footer(self, fidx: int) -> pq.FileMetaData:
-        """The footer of shard `fidx`, cached for the most recently read shards (files never change)."""
-        meta = self._footers.pop(fidx, None)
-        if meta is None:
-            meta = pq.read_metadata(self.index.files[fidx])
-        self._footers[fidx] = meta
-        while len(self._footers) > FOOTER_CACHE:
-            self._footers.pop(next(iter(self._footers)))
-        return meta
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of decoded row groups held for later pulls (at most `cache_bytes` after a pull)."""
+        return self._cache_bytes
+
+    def _row_groups(self, fidx: int, rgs: list[int]) -> list[pa.Table] | None:
+        """Row groups `rgs` of shard `fidx`, decoded, from the cache or the file; None if unreadable.
+
+        Shards never change, and oldest-first pulls come back to the same recent
+        shards (a shard holds groups of several versions, pulled at different
+        steps), so decoded row groups are kept up to `cache_bytes`, least
+        recently used dropped first.
+        """
+        cache = self._cache
+        missing = [r for r in rgs if (fidx, r) not in cache]
+        if missing:
+            path = self.index.files[fidx]
+            try:
+                pf = pq.ParquetFile(path, page_checksum_verification=True)
+                t = pf.read_row_groups(missing)
+            except Exception as e:  # noqa: BLE001 - FileNotFound (deleted) or corrupt data pages
+                self.index.mark_unreadable(path, f"unreadable during pull: {type(e).__name__}: {e}")
+                return None
+            start = 0
+            for r in missing:
+                n = pf.metadata.row_group(r).num_rows
+                part = t.slice(start, n)
+                cache[(fidx, r)] = part
+                self._cache_bytes += part.nbytes
+                start += n
+        out = []
+        for r in rgs:
+            part = cache.pop((fidx, r))
+            cache[(fidx, r)] = part   # most recently used last
+            out.append(part)
+        while self._cache_bytes > self.cache_bytes and cache:
+            self._cache_bytes -= cache.pop(next(iter(cache))).nbytes
+        return out
 
     def _record(self, group_ids: list[str], versions: np.ndarray, uses: np.ndarray,
                 trainer_step: int, trainer_version: int) -> Path:

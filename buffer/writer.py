@@ -211,11 +211,13 @@ def write_grouped(f, table: pa.Table, sizes: list[int], groups_per_row_group: in
     cuts = np.cumsum(sizes)[groups_per_row_group - 1::groups_per_row_group].tolist()
     if not cuts or cuts[-1] != table.num_rows:
         cuts.append(table.num_rows)
-    with pq.ParquetWriter(f, table.schema, **parquet_write_options()) as w:
+    sink = pa.BufferOutputStream()   # encoded in Arrow's memory, outside the GIL; one write to `f`
+    with pq.ParquetWriter(sink, table.schema, **parquet_write_options()) as w:
         start = 0
         for end in cuts:
             w.write_table(table.slice(start, end - start), row_group_size=end - start)
             start = end
+    f.write(memoryview(sink.getvalue()))
 
 
 FLUSH_THREADS = 2

@@ -169,8 +169,9 @@ ops = st.lists(st.one_of(
 @given(history=ops)
 def test_pull_matches_reference_model(tmp_path_factory, history):
     buf = tmp_path_factory.mktemp("prop") / "buffer"
-    writer = ShardWriter(buf, flush_groups=2, flush_seconds=None)
-    sampler = Sampler(buf)
+    # inline flushes: the model must know exactly which groups are visible at each pull
+    writer = ShardWriter(buf, flush_groups=2, flush_seconds=None, background=False)
+    sampler = Sampler(buf, cache_bytes=4096)
     t, step, model = 0, 0, {}  # model: group_id -> dict(version, filtered, consumed, order)
     pending = []
     for op in history:
@@ -203,7 +204,7 @@ def test_pull_matches_reference_model(tmp_path_factory, history):
             t += op[1]
         else:  # reopen: a restarted trainer replays the ledger
             sampler.close()
-            sampler = Sampler(buf)
+            sampler = Sampler(buf, cache_bytes=4096)
     writer.close()
     sampler.close()
     consumed = BufferSQL(buf).query("SELECT group_id, count(*) AS n FROM consumed GROUP BY 1").to_pylist()
@@ -240,3 +241,29 @@ def test_pull_after_compaction_of_multi_row_group_shards(buf):
     assert b.table.column("sample_index").to_pylist() == [k for n in sizes for k in range(n)]
     got = b.table.sort_by([("traj_id", "ascending")])
     assert got.drop(["created_at"]).to_pylist() == before.drop(["created_at"]).to_pylist()
+
+
+@pytest.mark.parametrize("order", ["oldest", "newest", "uniform"])
+def test_row_group_cache_changes_nothing_but_speed(tmp_path, order):
+    """Pulls through the decoded-row-group cache return exactly what uncached pulls return, and the
+    cache stays within its budget (versions lag, so shards are read at several steps)."""
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(7)
+    versions = [max(0, i // 6 - int(rng.choice([0, 0, 1, 2]))) for i in range(60)]
+    bufs = [tmp_path / "a", tmp_path / "b"]
+    for b in bufs:
+        _fill(b, versions, filtered_every=5, flush_groups=7)
+    one = pq.read_table(next((bufs[1] / "shards").iterdir())).nbytes   # a shard is one row group here
+    budget = int(2.5 * one)
+    with Sampler(bufs[0], order=order, cache_bytes=0) as plain, \
+            Sampler(bufs[1], order=order, cache_bytes=budget) as cached:
+        for step in range(12):
+            kw = dict(trainer_version=step + 2, trainer_step=step, max_staleness=3)
+            a, b = plain.pull(3, **kw), cached.pull(3, **kw)
+            assert (a is None) == (b is None)
+            if a is None:
+                continue
+            assert a.group_ids == b.group_ids
+            assert a.table.drop(["created_at"]).equals(b.table.drop(["created_at"]))
+            assert plain.cached_bytes == 0 and one <= cached.cached_bytes <= budget

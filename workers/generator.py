@@ -341,6 +341,7 @@ def _admit(index, writer, trainable: TrainableShare, admission: Admission, store
         limit = admission_limit(t, admission.max_staleness, admission.groups_per_step)
         if limit is None:
             return None, time.time() - t0
+        writer.wait()  # shards in flight become visible first: each group counted exactly once below
         index.refresh()
         counts = index.counts(t, admission.max_staleness)
         admitted = (counts["admitted"] - counts["expired"] - counts["unavailable"]
