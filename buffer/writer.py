@@ -9,9 +9,11 @@ groups not yet flushed.
 Shards full at `flush_groups` are written by `FLUSH_THREADS` background threads
 (`background=False` writes them inline), renamed strictly in sequence; `flush`,
 `flush_if_due` and `close` wait until every shard is visible. Measured with
-bench/buffer.py on 2 cores: 47,400 trajectories/s against 43,000 for plain
-sequential pq.write_table calls of the same rows in the same run; inline, the
-writer ran at 0.83 of plain (23,900 against 28,700 in a paired run).
+bench/buffer.py on 2 cores: 1.11-1.20 times the speed of plain sequential
+pq.write_table calls of the same rows, in four runs (34,200-47,400
+trajectories/s); inline, the writer ran at 0.83 of plain (23,900 against
+28,700 in a paired run). fsync is most of the rest: plain writes without it
+ran at 46,800 in the last run.
 """
 
 from __future__ import annotations
