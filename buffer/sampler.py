@@ -60,6 +60,8 @@ class Sampler:
             raise BufferError(f"reuse must be >= 1 (times a group may be trained on), got {reuse}")
         if order not in ORDERS:
             raise BufferError(f"order must be one of {ORDERS}, got {order!r}")
+        if cache_bytes < 0:
+            raise BufferError(f"cache_bytes must be >= 0 (0: no cache), got {cache_bytes}")
         if as_of_step is not None and as_of_step < 0:
             raise BufferError(f"as_of_step must be >= 0, got {as_of_step}")
         self.dir = BufferDir(root)
@@ -88,6 +90,8 @@ class Sampler:
                 os.replace(p, self.dir.abandoned / f"{stamp}-{os.getpid()}-{p.name}")
 
     def close(self) -> None:
+        self._cache.clear()
+        self._cache_bytes = 0
         if self._lock.is_locked:
             self._lock.release()
 

@@ -23,8 +23,8 @@ import math
 import os
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections.abc import Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -202,10 +202,12 @@ def _const_strings(value: str, n: int) -> pa.StringArray:
 
 ROW_GROUP_GROUPS = 64
 """Groups per Parquet row group (whole groups: a pull reads whole row groups).
-Smaller row groups waste less of a pull's reading, but cost more everywhere
-else: measured at 8 groups against 64 (bench/buffer.py, 2 cores), appends were
-35% slower and an aggregate over 1,563 shards took 1.34 s instead of 0.71 s,
-for pulls 10% faster. With the default flush of 64 groups a shard is one row group."""
+With the default flush of 64 groups a shard is one row group. Smaller ones
+cost more than they save (bench/buffer.py data, 2 cores): at 8 groups appends
+were 35% slower and an aggregate over 1,563 shards took 1.34 s instead of
+0.71 s; at 16 groups, in a paired run, pulls were no faster (groups of lagging
+versions are scattered through a shard, so a pull touches most of its row
+groups anyway) and the aggregate took 862 ms instead of 508 ms."""
 
 
 def write_grouped(f, table: pa.Table, sizes: list[int], groups_per_row_group: int) -> None:

@@ -267,3 +267,9 @@ def test_row_group_cache_changes_nothing_but_speed(tmp_path, order):
             assert a.group_ids == b.group_ids
             assert a.table.drop(["created_at"]).equals(b.table.drop(["created_at"]))
             assert plain.cached_bytes == 0 and one <= cached.cached_bytes <= budget
+
+
+def test_cache_bytes_must_not_be_negative(buf):
+    _fill(buf, [0])
+    with pytest.raises(BufferError, match=r"cache_bytes must be >= 0 \(0: no cache\), got -1"):
+        Sampler(buf, cache_bytes=-1)
