@@ -124,10 +124,10 @@ class Sampler:
             if len(eligible) < n:
                 return None
             chosen = self._choose(eligible, n, trainer_step)
-            table = self._read_groups(chosen)
+            group_ids = [idx.group_ids[i] for i in chosen]
+            table = self._read_groups(chosen, group_ids)
             if table is not None:
                 break  # else a shard was quarantined: choose again among what is left
-        group_ids = [idx.group_ids[i] for i in chosen]
         versions = idx.version.view[chosen].copy()
         self._record(group_ids, versions, idx.use_count.view[chosen].copy(), trainer_step, trainer_version)
         idx.use_count.view[chosen] += 1
@@ -147,7 +147,7 @@ class Sampler:
                                 sign * idx.version.view[eligible], uses))
         return eligible[order[:n]]
 
-    def _read_groups(self, chosen: np.ndarray) -> pa.Table | None:
+    def _read_groups(self, chosen: np.ndarray, group_ids: list[str]) -> pa.Table | None:
         """Rows of the chosen groups in pull order; None if a shard proved unreadable.
 
         Reads only the row groups that hold a chosen group (decoded row groups
@@ -179,11 +179,11 @@ class Sampler:
         ok = rows < table.num_rows
         if ok.all():
             table = table.take(pa.array(rows))
-            got = pa.array([idx.group_ids[i] for i in chosen]).take(pa.array(want))
+            got = pa.array(group_ids).take(pa.array(want))
             ok = pc.equal(table.column("group_id"), got).to_numpy(zero_copy_only=False)
         if not ok.all():
             bad = int(want[np.argmin(ok)])
-            idx.mark_unreadable(idx.files[files[bad]], f"partial group {idx.group_ids[chosen[bad]]!r}")
+            idx.mark_unreadable(idx.files[files[bad]], f"partial group {group_ids[bad]!r}")
             return None
         return table
 

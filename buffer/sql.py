@@ -65,8 +65,9 @@ def _scan_sql(files: list[Path], schema: pa.Schema, union: bool) -> str:
     """The columns of `schema` from `files`.
 
     Every file the buffer writes has the full schema, so the files are read
-    with the first file's layout: binding reads one footer, not all of them (union_by_name reads every footer at bind time and again
-    at scan time: 2.0 s against 0.6 s for an aggregate over 1,563 shards).
+    with the first file's layout: binding reads one footer, not all of them
+    (union_by_name reads every footer at bind time and again at scan time:
+    2.0 s against 0.6 s for an aggregate over 1,563 shards).
     A file of another schema (an older writer) makes DuckDB report a schema
     mismatch; the views are then rebuilt with union_by_name, where a column a
     file lacks reads as NULL.
