@@ -28,7 +28,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,13 +70,11 @@ class StorageError(BufferError, OSError):
 
 
 @contextmanager
-def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True,
-                before_rename: Callable[[], None] | None = None) -> Iterator[BinaryIO]:
+def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[BinaryIO]:
     """A binary file that appears at `final` only when the block succeeds.
 
     Written under a temp name in `tmp_dir`, fsynced, then renamed; if the block
-    (or `before_rename`, called after the fsync) raises, the temp file is
-    removed and `final` is untouched. An OSError (disk full, read-only) comes
+    raises, the temp file is removed and `final` is untouched. An OSError (disk full, read-only) comes
     out as a StorageError naming `final`.
     """
     tmp = tmp_dir / tmp_name(final.name)
@@ -86,8 +84,6 @@ def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True,
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
-        if before_rename is not None:
-            before_rename()
         os.replace(tmp, final)
     except BaseException as e:
         try:

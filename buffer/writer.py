@@ -6,14 +6,13 @@ A `ShardWriter` keeps finished groups in memory and writes one shard every
 shards/, so a reader never sees a partial file and a kill -9 loses only the
 groups not yet flushed.
 
-Shards full at `flush_groups` are written by `FLUSH_THREADS` background threads
-(`background=False` writes them inline), renamed strictly in sequence; `flush`,
+Shards full at `flush_groups` are built and encoded by `FLUSH_THREADS`
+background threads and written, fsynced and renamed by one commit thread,
+strictly in sequence (`background=False` does it all inline); `flush`,
 `flush_if_due` and `close` wait until every shard is visible. Measured with
-bench/buffer.py on 2 cores: 1.11-1.20 times the speed of plain sequential
-pq.write_table calls of the same rows, in four runs (34,200-47,400
-trajectories/s); inline, the writer ran at 0.83 of plain (23,900 against
-28,700 in a paired run). fsync is most of the rest: plain writes without it
-ran at 46,800 in the last run.
+bench/buffer.py on 2 cores (three runs): 40,200-46,100 trajectories/s, 1.49-1.56
+times plain sequential pq.write_table calls of the same rows with fsync, and
+above plain writes without fsync (36,000-45,000) in every run.
 """
 
 from __future__ import annotations
@@ -210,24 +209,36 @@ versions are scattered through a shard, so a pull touches most of its row
 groups anyway) and the aggregate took 862 ms instead of 508 ms."""
 
 
-def write_grouped(f, table: pa.Table, sizes: list[int], groups_per_row_group: int) -> None:
-    """Write `table` (rows of consecutive groups of `sizes` rows) with row groups of whole groups."""
+def encode_grouped(table: pa.Table, sizes: list[int], groups_per_row_group: int) -> pa.Buffer:
+    """`table` (rows of consecutive groups of `sizes` rows) as a Parquet file in memory, with row
+    groups of whole groups. Encoding runs in Arrow's memory, outside the GIL."""
     cuts = np.cumsum(sizes)[groups_per_row_group - 1::groups_per_row_group].tolist()
     if not cuts or cuts[-1] != table.num_rows:
         cuts.append(table.num_rows)
-    sink = pa.BufferOutputStream()   # encoded in Arrow's memory, outside the GIL; one write to `f`
+    sink = pa.BufferOutputStream()
     with pq.ParquetWriter(sink, table.schema, **parquet_write_options()) as w:
         start = 0
         for end in cuts:
             w.write_table(table.slice(start, end - start), row_group_size=end - start)
             start = end
-    f.write(memoryview(sink.getvalue()))
+    return sink.getvalue()
+
+
+def _write_buffer(f, data: pa.Buffer) -> None:
+    f.write(memoryview(data))
 
 
 FLUSH_THREADS = 2
-"""Shards a writer may have in flight. Encoding and compressing a shard runs
-outside the GIL, and fsync waits on the disk, so two flush threads let the
-next shard be built and encoded while the last one is compressed or synced."""
+"""Threads that build and encode full shards. Encoding and compressing run
+outside the GIL, so two let the next shard be built while the last one is
+compressed. A separate commit thread writes, fsyncs and renames encoded
+shards, one at a time and in sequence, so the encoders never wait on the disk:
+47,300 trajectories/s against 35,800 with the encoders doing their own fsync
+(medians of 5 paired runs, 10,000 groups of bench/buffer.py data). Three
+encoders, or more shards in flight, were no faster on 2 cores."""
+
+MAX_IN_FLIGHT = FLUSH_THREADS + 2
+"""Shards a writer may have handed off and not yet made visible (bounds memory)."""
 
 
 @dataclass
@@ -235,7 +246,8 @@ class _Job:
     pending: list[tuple[Group, str, float]]
     seq: int
     final: Path
-    future: Future | None = None
+    encoded: Future | None = None   # the encoded shard (background)
+    future: Future | None = None    # done when the shard is visible, or failed
 
 
 class ShardWriter:
@@ -264,7 +276,8 @@ class ShardWriter:
         self._oldest_pending: float | None = None
         self.shards_written: list[Path] = []
         self.background = background
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None        # builds and encodes shards
+        self._committer: ThreadPoolExecutor | None = None   # writes, fsyncs, renames them in order
         self._inflight: deque[_Job] = deque()   # shards being written, oldest first
 
     def append(self, group: Group) -> str:
@@ -322,9 +335,10 @@ class ShardWriter:
         try:
             self.flush()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            for pool in (self._pool, self._committer):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._pool = self._committer = None
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -341,38 +355,41 @@ class ShardWriter:
         if not self.background:
             job.future = Future()
             try:
-                job.future.set_result(self._write_shard(job, None))
+                job.future.set_result(self._commit(job, None, self._encode(job)))
             except BaseException as e:  # noqa: BLE001 - handed to _reap, which restores and raises
                 job.future.set_exception(e)
             self._inflight.append(job)
             self._reap(keep=0)
             return
-        while sum(not j.future.done() for j in self._inflight) >= FLUSH_THREADS:  # bounded memory
+        while sum(not j.future.done() for j in self._inflight) >= MAX_IN_FLIGHT:  # bounded memory
             wait([j.future for j in self._inflight], return_when=FIRST_COMPLETED)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix=f"flush-{self.writer_id}")
+            self._pool = ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix=f"encode-{self.writer_id}")
+            self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"commit-{self.writer_id}")
         prev = self._inflight[-1].future if self._inflight else None
-        job.future = self._pool.submit(self._write_shard, job, prev)
+        job.encoded = self._pool.submit(self._encode, job)
+        job.future = self._committer.submit(self._commit, job, prev, job.encoded)
         self._inflight.append(job)
 
-    def _write_shard(self, job: "_Job", prev: Future | None) -> Path:
-        table = self._build_table(job.pending)
+    def _encode(self, job: "_Job") -> pa.Buffer:
         sizes = [len(g.completions) for g, _, _ in job.pending]
+        return encode_grouped(self._build_table(job.pending), sizes, self.row_group_groups)
 
-        def after_predecessor() -> None:
-            # Shards become visible in sequence: a failed shard stops the ones after it, so
-            # what readers see of a writer is always its first k shards.
-            if prev is not None:
-                prev.result()
-
-        with atomic_file(self.dir.tmp, job.final, fsync=self.fsync, before_rename=after_predecessor) as f:
-            write_grouped(f, table, sizes, self.row_group_groups)
+    def _commit(self, job: "_Job", prev: Future | None, encoded: pa.Buffer | Future) -> Path:
+        """Make the encoded shard visible: temp file, fsync, rename. Shards become visible in
+        sequence: a failed shard stops the ones after it, so what readers see of a writer is
+        always its first k shards (`prev`, the previous shard's commit, is done by now: one
+        commit thread, first in first out)."""
+        if prev is not None:
+            prev.result()
+        with atomic_file(self.dir.tmp, job.final, fsync=self.fsync) as f:
+            _write_buffer(f, encoded.result() if isinstance(encoded, Future) else encoded)
         return job.final
 
     def _reap(self, keep: int | None = None, *, raise_errors: bool = True) -> None:
         """Record finished shards in order; with `keep`, first wait until at most `keep` are in flight.
 
-        If a shard failed, every shard after it failed too (see `_write_shard`):
+        If a shard failed, every shard after it failed too (see `_commit`):
         their groups go back to the front of the queue, the sequence number back
         to the failed shard's, and the first error is raised (left in flight
         without `raise_errors`).
@@ -388,7 +405,7 @@ class ShardWriter:
                     return
                 failed = list(self._inflight)
                 self._inflight.clear()
-                wait([j.future for j in failed])
+                wait([f for j in failed for f in (j.encoded, j.future) if f is not None])
                 self._pending = [item for j in failed for item in j.pending] + self._pending
                 self._oldest_pending = self._pending[0][2]
                 self._seq = failed[0].seq

@@ -251,24 +251,30 @@ def test_python_list_tokens_and_numpy_tokens_give_the_same_shard(buf, tmp_path):
                            completions=[Completion("a", np.array([2**31]), [0.0], 1.0)]))
 
 
-def test_background_flush_failure_stops_later_shards_and_requeues_their_groups(buf, monkeypatch):
-    """A shard that fails in a flush thread stops the shards after it (readers only ever see a writer's
-    first k shards); its error comes out of the next call, every group of the failed shards is queued
-    again in order, and a retry writes them under the same names: nothing lost, nothing twice."""
+@pytest.mark.parametrize("stage", ["encode", "write"])
+def test_background_flush_failure_stops_later_shards_and_requeues_their_groups(buf, monkeypatch, stage):
+    """A shard that fails in a flush thread (encoding, or writing its file) stops the shards after it
+    (readers only ever see a writer's first k shards); its error comes out of the next call, every group
+    of the failed shards is queued again in order, and a retry writes them under the same names:
+    nothing lost, nothing twice."""
     import errno
     import threading
 
     import buffer.writer as writer_mod
 
-    real, gate = writer_mod.write_grouped, threading.Event()
+    gate = threading.Event()
+    name = {"encode": "encode_grouped", "write": "_write_buffer"}[stage]
+    real = getattr(writer_mod, name)
 
-    def failing(f, table, sizes, per_rg):
-        if table.column("group_id")[0].as_py().endswith("-00000002"):   # the second shard
+    def failing(*args):
+        second = (args[0].column("group_id")[0].as_py().endswith("-00000002") if stage == "encode"
+                  else args[0].name.endswith("w000000-000001.parquet.tmp"))
+        if second:
             gate.wait(10)                                                 # until the third is queued
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(f, table, sizes, per_rg)
+        return real(*args)
 
-    monkeypatch.setattr(writer_mod, "write_grouped", failing)
+    monkeypatch.setattr(writer_mod, name, failing)
     w = ShardWriter(buf, flush_groups=2, flush_seconds=None)
     ids = [w.append(make_group(0, [1, 0], prompt_id=f"p{i}")) for i in range(6)]  # shards 0, 1, 2
     gate.set()
@@ -277,7 +283,7 @@ def test_background_flush_failure_stops_later_shards_and_requeues_their_groups(b
     assert [p.name for p in w.shards_written] == ["w000000-000000.parquet"]
     assert sorted(os.listdir(buf / "shards")) == ["w000000-000000.parquet"] and os.listdir(buf / "tmp") == []
     assert w.pending_groups == 4
-    monkeypatch.setattr(writer_mod, "write_grouped", real)
+    monkeypatch.setattr(writer_mod, name, real)
     w.append(make_group(0, [1, 0], prompt_id="p6"))
     w.close()
     # the 4 requeued groups and the new one reach flush_groups together: one shard, the failed one's name
