@@ -107,3 +107,27 @@ def test_partial_nested_table_keeps_the_fields_own_default(tmp_path):
     assert load_config(None, ["trainer.loss.beta=0.1"]).trainer.loss.objective == base
     cfg = load_config(_write(tmp_path, "[trainer.loss]\nepsilon = 0.1\n"))
     assert cfg.trainer.loss.objective == base and cfg.trainer.loss.epsilon == 0.1
+
+
+def test_configs_are_checked_without_importing_torch(tmp_path):
+    """`asyncgrpo config` and every command's input checks answer in a fraction of a second: reading and
+    validating a config (PolicyLossConfig included) imports no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pipeline.config import load_config; "
+            "c = load_config(None, ['trainer.loss.loss_agg_mode=seq-mean-token-mean']); "
+            "print(c.trainer.loss.loss_agg_mode, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["seq-mean-token-mean", "False"]
+
+
+def test_grpo_registries_hold_exactly_the_names_configs_accept():
+    from workers.grpo.aggregation import AGGREGATORS
+    from workers.grpo.kl import KL_ESTIMATORS
+    from workers.grpo.options import KL_ESTIMATOR_NAMES, LOSS_AGG_MODES, check_registry
+
+    assert tuple(AGGREGATORS) == LOSS_AGG_MODES and tuple(KL_ESTIMATORS) == KL_ESTIMATOR_NAMES
+    with pytest.raises(RuntimeError, match=r"KL estimator registry holds \('k1', 'k2'\), but workers.grpo"):
+        check_registry({"k1": None, "k2": None}, KL_ESTIMATOR_NAMES, "KL estimator")

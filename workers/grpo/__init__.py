@@ -9,19 +9,28 @@ T tokens, V vocabulary. Typical trainer use:
         logp = token_logprobs(model(micro.ids).logits[:, :-1], micro.targets, temperature)
         loss, metrics = policy_loss(PolicyLossInputs(logp, micro.mu, micro.adv, micro.mask), cfg, norm)
         loss.backward()                                                    # sums to the full-batch gradient
+
+Names are imported on first use, and `workers.grpo.options` (the accepted
+names and PolicyLossConfig) needs no torch, so configs are checked without it.
 """
 
-from workers.grpo.advantages import STD_MODES, StdMode, group_advantages
-from workers.grpo.aggregation import AGGREGATORS, LossAggMode, aggregate
-from workers.grpo.importance import IS_LEVELS, IS_MODES, ISLevel, ISMode, importance_weights
-from workers.grpo.kl import KL_ESTIMATORS, KLEstimator, kl_estimate, kl_k1, kl_k2, kl_k3
-from workers.grpo.logprobs import entropy_from_logits, token_logprobs
-from workers.grpo.loss import PolicyLossConfig, PolicyLossInputs, loss_normalizer, policy_loss
+from importlib import import_module
 
-__all__ = [
-    "AGGREGATORS", "IS_LEVELS", "IS_MODES", "KL_ESTIMATORS", "STD_MODES",
-    "ISLevel", "ISMode", "KLEstimator", "LossAggMode", "StdMode",
-    "PolicyLossConfig", "PolicyLossInputs",
-    "aggregate", "entropy_from_logits", "group_advantages", "importance_weights",
-    "kl_estimate", "kl_k1", "kl_k2", "kl_k3", "loss_normalizer", "policy_loss", "token_logprobs",
-]
+_WHERE = {
+    **dict.fromkeys(["STD_MODES", "IS_LEVELS", "IS_MODES", "StdMode", "ISLevel", "ISMode", "KLEstimator",
+                     "LossAggMode", "PolicyLossConfig"], "workers.grpo.options"),
+    "group_advantages": "workers.grpo.advantages",
+    **dict.fromkeys(["AGGREGATORS", "aggregate"], "workers.grpo.aggregation"),
+    "importance_weights": "workers.grpo.importance",
+    **dict.fromkeys(["KL_ESTIMATORS", "kl_estimate", "kl_k1", "kl_k2", "kl_k3"], "workers.grpo.kl"),
+    **dict.fromkeys(["entropy_from_logits", "token_logprobs"], "workers.grpo.logprobs"),
+    **dict.fromkeys(["PolicyLossInputs", "loss_normalizer", "policy_loss"], "workers.grpo.loss"),
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'workers.grpo' has no attribute {name!r}")
+    return getattr(import_module(_WHERE[name]), name)

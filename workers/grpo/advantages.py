@@ -18,12 +18,9 @@ function over whole groups, before any micro-batch split.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-StdMode = Literal["sample", "population", "none"]
-STD_MODES: tuple[StdMode, ...] = ("sample", "population", "none")
+from workers.grpo.options import STD_MODES, StdMode
 
 
 def group_advantages(rewards: torch.Tensor, std: StdMode = "sample", eps: float = 1e-6,

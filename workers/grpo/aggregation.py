@@ -23,13 +23,12 @@ with micro-batch padding); a normaliser of 0 (nothing to train on) gives loss 0.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
+from workers.grpo.options import LOSS_AGG_MODES, LossAggMode, check_registry
 from workers.grpo.registry import registrar
 
-LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Aggregator = Callable[[torch.Tensor, torch.Tensor, "float | torch.Tensor"], torch.Tensor]
 AGGREGATORS: dict[str, Aggregator] = {}
 
@@ -51,6 +50,9 @@ def _seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor, normalizer: f
     """sum_b (sum_t m_bt l_bt / T_b) / normalizer; values, mask: (B, T) -> ()."""
     per_seq = torch.where(mask, values, 0.0).sum(dim=1) / mask.sum(dim=1).clamp_min(1)   # (B,)
     return per_seq.sum() / normalizer
+
+
+check_registry(AGGREGATORS, LOSS_AGG_MODES, "loss aggregation mode")
 
 
 def normalizer_for(mask: torch.Tensor, loss_agg_mode: LossAggMode,

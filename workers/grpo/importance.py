@@ -23,14 +23,11 @@ are clamped to exp(+-20) so that a metric never reads inf.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
-ISLevel = Literal["token", "sequence-product", "sequence-geomean"]
-ISMode = Literal["truncate", "mask"]
-IS_LEVELS: tuple[ISLevel, ...] = ("token", "sequence-product", "sequence-geomean")
-IS_MODES: tuple[ISMode | None, ...] = ("truncate", "mask", None)
+from workers.grpo.options import IS_LEVELS, IS_MODES, ISLevel, ISMode
+
 _METRIC_LOG_CLAMP = 20.0
 
 

@@ -15,13 +15,12 @@ No clamping (verl clamps k3 to [-10, 10]); TRL does not either.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
+from workers.grpo.options import KL_ESTIMATOR_NAMES, KLEstimator, check_registry
 from workers.grpo.registry import registrar
 
-KLEstimator = Literal["k1", "k2", "k3"]
 Estimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: dict[str, Estimator] = {}
 
@@ -46,6 +45,9 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k3 = exp(log p - log q) - 1 - (log p - log q). logprobs (q), ref_logprobs (p): (B, T) -> (B, T)."""
     log_r = ref_logprobs - logprobs
     return torch.expm1(log_r) - log_r
+
+
+check_registry(KL_ESTIMATORS, KL_ESTIMATOR_NAMES, "KL estimator")
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from workers.checks import is_int, is_num, require
-from workers.grpo import STD_MODES, PolicyLossConfig, StdMode
+from workers.grpo.options import STD_MODES, PolicyLossConfig, StdMode
 
 Dtype = Literal["float32", "bfloat16"]
 LrSchedule = Literal["constant", "cosine", "linear"]
