@@ -10,9 +10,10 @@ Shards full at `flush_groups` are built and encoded by `FLUSH_THREADS`
 background threads and written, fsynced and renamed by one commit thread,
 strictly in sequence (`background=False` does it all inline); `flush`,
 `flush_if_due` and `close` wait until every shard is visible. Measured with
-bench/buffer.py on 2 cores (three runs): 40,200-46,100 trajectories/s, 1.49-1.56
+bench/buffer.py on 2 cores (four runs): 40,200-46,100 trajectories/s, 1.23-1.56
 times plain sequential pq.write_table calls of the same rows with fsync, and
-above plain writes without fsync (36,000-45,000) in every run.
+faster than plain writes without fsync (medians 40,600-41,500) in three of the
+four runs.
 """
 
 from __future__ import annotations
