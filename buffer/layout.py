@@ -74,8 +74,8 @@ def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[B
     """A binary file that appears at `final` only when the block succeeds.
 
     Written under a temp name in `tmp_dir`, fsynced, then renamed; if the block
-    raises, the temp file is removed and `final` is untouched. An OSError (disk full, read-only) comes
-    out as a StorageError naming `final`.
+    raises, the temp file is removed and `final` is untouched. An OSError (disk
+    full, read-only) comes out as a StorageError naming `final`.
     """
     tmp = tmp_dir / tmp_name(final.name)
     try:

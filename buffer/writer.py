@@ -247,7 +247,7 @@ class _Job:
     pending: list[tuple[Group, str, float]]
     seq: int
     final: Path
-    encoded: Future | None = None   # the encoded shard (background)
+    encoded: Future | None = None   # the encoded shard
     future: Future | None = None    # done when the shard is visible, or failed
 
 
@@ -354,9 +354,10 @@ class ShardWriter:
         self._pending, self._oldest_pending = [], None
         self._seq += 1
         if not self.background:
-            job.future = Future()
+            job.encoded, job.future = Future(), Future()
             try:
-                job.future.set_result(self._commit(job, None, self._encode(job)))
+                job.encoded.set_result(self._encode(job))
+                job.future.set_result(self._commit(job, None))
             except BaseException as e:  # noqa: BLE001 - handed to _reap, which restores and raises
                 job.future.set_exception(e)
             self._inflight.append(job)
@@ -369,22 +370,22 @@ class ShardWriter:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"commit-{self.writer_id}")
         prev = self._inflight[-1].future if self._inflight else None
         job.encoded = self._pool.submit(self._encode, job)
-        job.future = self._committer.submit(self._commit, job, prev, job.encoded)
+        job.future = self._committer.submit(self._commit, job, prev)
         self._inflight.append(job)
 
     def _encode(self, job: "_Job") -> pa.Buffer:
         sizes = [len(g.completions) for g, _, _ in job.pending]
         return encode_grouped(self._build_table(job.pending), sizes, self.row_group_groups)
 
-    def _commit(self, job: "_Job", prev: Future | None, encoded: pa.Buffer | Future) -> Path:
-        """Make the encoded shard visible: temp file, fsync, rename. Shards become visible in
-        sequence: a failed shard stops the ones after it, so what readers see of a writer is
-        always its first k shards (`prev`, the previous shard's commit, is done by now: one
-        commit thread, first in first out)."""
+    def _commit(self, job: "_Job", prev: Future | None) -> Path:
+        """Make the encoded shard (`job.encoded`) visible: temp file, fsync, rename. Shards become
+        visible in sequence: a failed shard stops the ones after it, so what readers see of a
+        writer is always its first k shards (`prev`, the previous shard's commit, is done by now:
+        one commit thread, first in first out)."""
         if prev is not None:
             prev.result()
         with atomic_file(self.dir.tmp, job.final, fsync=self.fsync) as f:
-            _write_buffer(f, encoded.result() if isinstance(encoded, Future) else encoded)
+            _write_buffer(f, job.encoded.result())
         return job.final
 
     def _reap(self, keep: int | None = None, *, raise_errors: bool = True) -> None:
@@ -406,7 +407,7 @@ class ShardWriter:
                     return
                 failed = list(self._inflight)
                 self._inflight.clear()
-                wait([f for j in failed for f in (j.encoded, j.future) if f is not None])
+                wait([f for j in failed for f in (j.encoded, j.future)])
                 self._pending = [item for j in failed for item in j.pending] + self._pending
                 self._oldest_pending = self._pending[0][2]
                 self._seq = failed[0].seq
