@@ -33,7 +33,7 @@ def _user_error_types() -> tuple[type[Exception], ...]:
 
 _USER_ERRORS = [("buffer.layout", "BufferError"), ("pipeline.run", "RunError"), ("workers.checks", "ConfigError"),
                 ("workers.model", "ModelError"), ("workers.tasks", "TaskError"),
-                ("workers.trainer.session", "TrainerError")]
+                ("workers.trainer.session", "TrainerError"), ("workers.warmstart", "WarmstartError")]
 
 
 def _user_errors(fn):

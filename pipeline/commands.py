@@ -225,13 +225,16 @@ def init_model_cmd(folder: str, seed: int, force: bool) -> None:
 def warmstart(config: str | None, overrides: tuple[str, ...]) -> None:
     """Build and warm-start the embedded model on the task (supervised), cached; prints its folder.
 
-    Deterministic for a seed; `asyncgrpo run` does this itself when model.path
-    is unset. Accuracy before and after is printed.
+    Stops at the first check where greedy accuracy on a held-out dev split
+    reaches warmstart.target_accuracy (30%), at most warmstart.steps steps;
+    `asyncgrpo run` does this itself when model.path is unset. Prints the
+    folder, what decided the stop, and dev and eval accuracy.
 
     \b
     Examples:
       asyncgrpo warmstart
-      asyncgrpo warmstart --set warmstart.steps=600
+      asyncgrpo warmstart --set warmstart.target_accuracy=0.35
+      asyncgrpo warmstart --set warmstart.target_accuracy=none --set warmstart.steps=600
     """
     from pipeline.config import load_config
     from pipeline.run import evaluate_folder, prepare_model
@@ -241,7 +244,9 @@ def warmstart(config: str | None, overrides: tuple[str, ...]) -> None:
     if cfg.model.path is not None:
         raise UserError("model.path is set: warm start builds only the embedded model; unset model.path")
     folder = prepare_model(cfg, click.echo)
-    click.echo(json.dumps({"folder": str(folder), "greedy_accuracy": evaluate_folder(cfg, folder)}))
+    stop = json.loads((folder / "asyncgrpo.json").read_text())["warmstart"]
+    click.echo(json.dumps({"folder": str(folder), "greedy_accuracy": evaluate_folder(cfg, folder),
+                           **{k: stop[k] for k in ("steps", "decided_by", "dev_accuracy", "eval_accuracy")}}))
 
 
 @main.command()

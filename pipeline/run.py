@@ -189,8 +189,10 @@ def prepare_model(cfg: Config, echo=print) -> Path:
         return check_model_folder(Path(cfg.model.path).expanduser())
     from workers.warmstart import cached_model
 
-    echo(f"preparing the embedded tiny model (warm start of {cfg.warmstart.steps} steps; cached in "
-         f"{cfg.model.cache_dir})")
+    ws = cfg.warmstart
+    stop = (f"until dev accuracy >= {ws.target_accuracy:.0%}, at most {ws.steps} steps"
+            if ws.target_accuracy is not None else f"{ws.steps} steps")
+    echo(f"preparing the embedded tiny model (warm start {stop}; cached in {cfg.model.cache_dir})")
     return cached_model(Path(cfg.model.cache_dir), cfg.task, cfg.warmstart, progress=True)
 
 

@@ -184,3 +184,22 @@ def test_bad_files_other(tmp_path):
     bad_eval = write_jsonl(tmp_path / "bad_eval.jsonl", ['{"prompt": "x"}'])
     with pytest.raises(TaskError, match=r"bad_eval\.jsonl: line 1: no 'answer' key"):
         load_task(TaskConfig(name="file", path=good, eval_path=bad_eval))
+
+
+def test_arithmetic_dev_split_is_disjoint_stratified_and_leaves_the_other_splits_alone():
+    cfg = TaskConfig()
+    plain, with_dev = load_task(cfg), load_task(cfg, num_dev=1000)
+    assert with_dev.train == plain.train and with_dev.eval == plain.eval and plain.dev == []
+    dev = with_dev.dev
+    assert len(dev) == len({p.text for p in dev}) == 1000
+    assert not {p.text for p in dev} & ({p.text for p in plain.train} | {p.text for p in plain.eval})
+    assert Counter(p.level for p in dev) == {"add2": 850, "add3": 50, "sub2": 50, "mul1": 50}
+    assert all(str(eval(p.text[:-1])) == p.answer for p in dev)      # noqa: S307 (our own arithmetic)
+    assert load_task(cfg, num_dev=1000).dev == dev and load_task(TaskConfig(seed=1), num_dev=1000).dev != dev
+
+
+def test_arithmetic_dev_split_too_large_for_a_level_names_the_setting():
+    only_mul1 = LevelMix(add2=0, add3=0, sub2=0, mul1=1)                                    # 720 prompts
+    with pytest.raises(TaskError, match=r"level 'mul1' has 0 prompts left beside train and eval, too few for a "
+                                        r"dev split of 5; lower warmstart.dev_size"):
+        load_task(TaskConfig(num_train=710, num_eval=10, mix=only_mul1), num_dev=5)

@@ -31,8 +31,23 @@ CHARACTERS = list("0123456789+-*=()<>/.,:#?!_") + list("abcdefghijklmnopqrstuvwx
 VOCAB_SIZE = 64  # padded, so embedding rows are a round number
 
 
+ONEDNN_ENV = "ASYNCGRPO_ONEDNN"
+"""Environment switch: "off" disables torch's oneDNN kernels in every process that loads a model,
+so a result can be checked under other floating-point kernels; "on" or unset leaves torch's default."""
+
+
 class ModelError(Exception):
     """A model folder that is missing or unusable; the message names the path."""
+
+
+def apply_torch_switches() -> None:
+    """Apply the process-wide torch settings named by the environment (`ONEDNN_ENV`)."""
+    import torch
+
+    value = os.environ.get(ONEDNN_ENV, "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ModelError(f"environment variable {ONEDNN_ENV}={os.environ[ONEDNN_ENV]!r}: use 'on' or 'off'")
+    torch.backends.mkldnn.enabled = value == "on"
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,7 @@ def init_model(folder: str | os.PathLike, *, seed: int = 0, spec: TinyModelSpec 
     if folder.exists() and not force:
         check_model_folder(folder)
         return folder
+    apply_torch_switches()
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(tokenizer, spec), dtype=torch.float32)
@@ -151,6 +167,7 @@ def load_model(folder: str | os.PathLike, *, dtype: str = "float32", device: str
     import torch
     from transformers import AutoModelForCausalLM
 
+    apply_torch_switches()
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(str(check_model_folder(folder)), dtype=torch_dtype)
     return model.to(device)

@@ -159,17 +159,27 @@ class TaskConfig:
 
 @dataclass
 class Task:
-    """The prompts of a run: train (shuffled) and a disjoint eval split."""
+    """The prompts of a run: train (shuffled), a disjoint eval split, and an optional dev split
+    disjoint from both (drawn for the warm start's stop rule)."""
 
     name: str
     train: list[Prompt]
     eval: list[Prompt]
+    dev: list[Prompt] = field(default_factory=list)
 
 
-def load_task(cfg: TaskConfig) -> Task:
-    """The task `cfg` describes. Raises TaskError for unusable prompt files."""
+def load_task(cfg: TaskConfig, *, num_dev: int = 0) -> Task:
+    """The task `cfg` describes. Raises TaskError for unusable prompt files.
+
+    `num_dev` > 0 also draws a dev split of that many arithmetic prompts, disjoint from train and
+    eval, in the eval split's level proportions, without changing those splits (its own seeded
+    generator). File tasks have no prompts to draw from: their dev split stays empty.
+    """
     if cfg.name == "arithmetic":
-        return _arithmetic(cfg)
+        task = _arithmetic(cfg)
+        if num_dev > 0:
+            task.dev = _arithmetic_dev(cfg, num_dev, task.train + task.eval)
+        return task
     return _from_files(cfg)
 
 
@@ -208,6 +218,26 @@ def _arithmetic(cfg: TaskConfig) -> Task:
     rng.shuffle(train)
     rng.shuffle(evals)
     return Task("arithmetic", train, evals)
+
+
+def _arithmetic_dev(cfg: TaskConfig, n: int, taken: list[Prompt]) -> list[Prompt]:
+    rng = random.Random(f"dev:{cfg.seed}")
+    used = {p.text for p in taken}
+    dev: list[Prompt] = []
+    for name, k in sorted(level_counts(cfg.mix.weights(), n).items()):
+        level = LEVELS[name]
+        free = level.pool_size() - sum(p.level == name for p in taken)
+        if k > free:
+            raise TaskError(f"arithmetic level {name!r} has {free} prompts left beside train and eval, too few "
+                            f"for a dev split of {k}; lower warmstart.dev_size or TaskConfig.num_train")
+        drawn: dict[str, str] = {}
+        while len(drawn) < k:
+            text, answer = level.draw(rng)
+            if text not in used:
+                drawn.setdefault(text, answer)
+        dev += [Prompt(text, text, answer, name) for text, answer in drawn.items()]
+    rng.shuffle(dev)
+    return dev
 
 
 # ---- prompt files ----------------------------------------------------------------------------
