@@ -1,6 +1,6 @@
 """Does the default warm start land in its band under other floating-point kernels?
 
-    python bench/warmstart.py [--seeds 0,1,2] [--threads 1,2] [--onednn on,off] [--jobs 2]
+    python bench/warmstart.py [--seeds 0,1,2] [--threads 1,2] [--onednn on,off] [--cores N]
                               [--out runs/bench/warmstart] [--set KEY=VALUE ...]
 
 These machines cannot be swapped for others, but the sources of numerical
@@ -20,8 +20,10 @@ Per build it prints (stderr, and a table in --out/warmstart.md):
     eval_accuracy  greedy accuracy on the 200 eval prompts at the stop (what GRPO starts from)
     seconds        time of the warm start itself
 
---jobs builds run side by side; a build's result does not depend on how many run
-beside it (its thread count is fixed), only its seconds do. The last line on stdout
+Builds run side by side as far as --cores allows (default: all cores; a build of t
+threads takes t of them: oversubscribed threads stall on each other). A build's
+result does not depend on what runs beside it (its thread count is fixed), only
+its seconds do. The last line on stdout
 is one JSON object: the builds, and the minimum and maximum eval accuracy over them,
 and whether every build landed in [0.20, 0.40].
 """
@@ -78,7 +80,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| seed | threads | oneDNN | steps | decided by | dev acc | eval acc | seconds |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['seed']} | {r['threads']} | {r['onednn']} | {fmt(r['steps'], 'd')} | {r['decided_by']} "
+        lines.append(f"| {r['seed']} | {r['threads']} | {r['onednn']} | {fmt(r['steps'], 'd')} "
+                     f"| {r['decided_by']} "
                      f"| {fmt(r['dev_accuracy'], '.1%')} | {fmt(r['eval_accuracy'], '.1%')} "
                      f"| {fmt(r['seconds'], '.0f')} |")
     return "\n".join(lines) + "\n"
@@ -90,7 +93,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2", help="warmstart.seed values (default 0,1,2)")
     ap.add_argument("--threads", default="1,2", help="torch thread counts (default 1,2)")
     ap.add_argument("--onednn", default="on,off", help="oneDNN settings (default on,off)")
-    ap.add_argument("--jobs", type=int, default=1, help="builds run side by side (default 1)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count(),
+                    help="cores the builds may use at once; a build of t threads takes t (default: all)")
     ap.add_argument("--out", default="runs/bench/warmstart", help="folder for warmstart.md and .json")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every build, e.g. warmstart.target_accuracy=0.25")
@@ -100,19 +104,24 @@ def main() -> None:
     for _, _, onednn in combos:
         if onednn not in ("on", "off"):
             ap.error(f"--onednn takes 'on' and/or 'off', got {onednn!r}")
-    if args.jobs < 1:
-        ap.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.cores < 1:
+        ap.error(f"--cores must be >= 1, got {args.cores}")
 
     def one(combo):
         row = build(*combo, args.sets)
         print(f"seed {row['seed']} threads {row['threads']} oneDNN {row['onednn']}: {row['decided_by']} at "
               f"{fmt(row['steps'], 'd')} steps, dev {fmt(row['dev_accuracy'], '.3f')}, "
-              f"eval {fmt(row['eval_accuracy'], '.3f')} ({fmt(row['seconds'], '.0f')} s)", file=sys.stderr, flush=True)
+              f"eval {fmt(row['eval_accuracy'], '.3f')} ({fmt(row['seconds'], '.0f')} s)",
+              file=sys.stderr, flush=True)
         return row
 
-    print(f"{len(combos)} builds, {args.jobs} at a time", file=sys.stderr, flush=True)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(one, combos))
+    print(f"{len(combos)} builds on {args.cores} cores", file=sys.stderr, flush=True)
+    results = {}
+    for threads in sorted({t for _, t, _ in combos}):     # builds of one thread count side by side
+        group = [c for c in combos if c[1] == threads]
+        with ThreadPoolExecutor(max(1, args.cores // threads)) as pool:
+            results.update(zip(group, pool.map(one, group)))
+    rows = [results[c] for c in combos]
     evals = [r["eval_accuracy"] for r in rows if r["eval_accuracy"] is not None]
     steps = [r["steps"] for r in rows if r["steps"] is not None]
     summary = {

@@ -14,8 +14,9 @@ addition comes in a sharp jump whose step moves with the seed and with the
 machine's floating-point kernels (thread count, CPU features, library
 builds), so a fixed step can land before, inside or after it. Instead, a
 dev split of `dev_size` prompts disjoint from the train and eval splits is
-drawn, greedy accuracy on it is measured every `eval_every` steps, and the warm start stops at the first step whose dev
-accuracy reaches `target_accuracy`:
+drawn, greedy accuracy on it is measured every `eval_every` steps, and the
+warm start stops at the first step whose dev accuracy reaches
+`target_accuracy`:
 
 - when a check reaches the target, the steps since the previous check are
   measured in order (their weights are kept) and the first one at or above
@@ -200,13 +201,14 @@ class _StopRule:
     def __init__(self, cfg: WarmstartConfig, tokenizer, dev: list[Prompt]):
         self.cfg, self.tokenizer, self.dev, self.scorer = cfg, tokenizer, dev, Scorer()
         self.checks: list[tuple[int, float]] = []          # (step, dev accuracy), in the order measured
-        self.recent: deque[tuple[int, dict]] = deque(maxlen=cfg.eval_every)   # (step, weights) since the last check
+        self.recent: deque[tuple[int, dict]] = deque(maxlen=cfg.eval_every)  # (step, weights) since last check
         self.below: tuple[int, float, dict] | None = None    # the last measured step below the target
         self.stop: tuple[int, float] | None = None
         self.decided_by: str | None = None
 
     def _accuracy(self, step: int, model) -> float:
-        acc = evaluate(model, self.tokenizer, self.dev, self.scorer, max_new_tokens=self.cfg.eval_max_new_tokens).accuracy
+        acc = evaluate(model, self.tokenizer, self.dev, self.scorer,
+                       max_new_tokens=self.cfg.eval_max_new_tokens).accuracy
         self.checks.append((step, acc))
         return acc
 
@@ -274,8 +276,8 @@ def train_sft(model, tokenizer, train: list[Prompt], cfg: WarmstartConfig, *, de
     With `cfg.target_accuracy` set, `dev` is required and the stop rule of the module docstring
     applies; otherwise exactly `cfg.steps` steps are taken. Returns {"steps" (used), "decided_by"
     ("target", "overshoot, step before kept", "cap" or "steps"), "dev_accuracy" (None without a
-    stop rule), "checks" [(step, dev accuracy), in the order measured], "final_loss", "seconds"}. `callback(step, model,
-    loss)` runs after each step (for measurements); `progress` shows a bar.
+    stop rule), "checks" [(step, dev accuracy), in the order measured], "final_loss", "seconds"}.
+    `callback(step, model, loss)` runs after each step (for measurements); `progress` shows a bar.
     """
     import torch
     from tqdm.auto import tqdm
@@ -340,9 +342,9 @@ def warmstart(base_folder: str | os.PathLike, out_folder: str | os.PathLike, tas
     """Warm-start the model in `base_folder` on `task.train` and save it to `out_folder`.
 
     The dev split is `task.dev` when the task drew one (arithmetic: `load_task(num_dev=...)`), else
-    `cfg.dev_size` prompts held out of `task.train`; the train prompts are filtered to `cfg.levels`. Greedy accuracy on
-    `task.eval` at the stop is measured and recorded beside the stop's figures in the folder's
-    `asyncgrpo.json`. The base folder (tokenizer files included) is copied to a temp folder, the
+    `cfg.dev_size` prompts held out of `task.train`; the train prompts are filtered to `cfg.levels`.
+    Greedy accuracy on `task.eval` at the stop is measured and recorded beside the stop's figures in
+    the folder's `asyncgrpo.json`. The base folder (tokenizer files included) is copied to a temp folder, the
     trained weights are saved over it, and the temp folder is renamed to `out_folder`, replacing
     any folder there.
     """
