@@ -69,8 +69,10 @@ def test_short_default_run_learns_and_keeps_the_invariants(tmp_path):
     assert p.returncode == 0, out
     info = json.loads((run / "run.json").read_text())
     s = info["summary"]
-    # Measured: 27.5% -> 47% greedy after 50 steps, 48.5% after 100 (seed 0).
-    assert s["eval_after"] >= s["eval_before"] + 0.10, out
+    # Measured from the default warm start (29.5%) after 60 steps, run seeds 0/1/2: +11.0/+12.5/+11.5
+    # points with torch's default 2 threads a process, +12.5/+14.5/+12.0 with OMP_NUM_THREADS=1.
+    # The bar sits at about half the smallest rise, so a machine whose kernels differ still passes.
+    assert s["eval_after"] >= s["eval_before"] + 0.06, out
     assert s["step"] == 60
     assert "asyncgrpo sql" in out and "before" in out and "after" in out
     db = BufferSQL(run)

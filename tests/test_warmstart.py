@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CACHE
+from conftest import CACHE, run_cli
 from workers.checks import ConfigError
 from workers.evaluate import EvalResult, complete, evaluate, greedy_accuracy, greedy_accuracy_folder
 from workers.model import init_model, load_model, load_tokenizer
@@ -293,3 +293,24 @@ def test_onednn_switch_from_the_environment(base, monkeypatch):
             load_model(base)
     finally:
         torch.backends.mkldnn.enabled = before   # as the environment this suite runs under set it
+
+
+def test_cli_warm_start_outside_its_band_is_a_clear_error_and_caches_nothing(tmp_path):
+    r = run_cli("warmstart", "--set", f"model.cache_dir={tmp_path}", "--set", "warmstart.steps=2",
+                "--set", "warmstart.eval_every=1", timeout=180)
+    assert r.returncode == 2, r.stderr
+    assert "warm start reached its cap of 2 steps with dev accuracy 0.0" in r.stderr
+    assert "outside [0.2, 0.4] (target 0.3); raise warmstart.steps" in r.stderr and "Traceback" not in r.stderr
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+@pytest.mark.slow
+def test_cli_warmstart_prints_what_decided_the_stop(default_model):
+    r = run_cli("warmstart", "--set", f"model.cache_dir={CACHE}", timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    meta = json.loads((default_model / "asyncgrpo.json").read_text())["warmstart"]
+    assert out["folder"] == str(default_model)
+    assert {k: out[k] for k in ("steps", "decided_by", "dev_accuracy", "eval_accuracy")} == \
+        {k: meta[k] for k in ("steps", "decided_by", "dev_accuracy", "eval_accuracy")}
+    assert abs(out["greedy_accuracy"] - meta["eval_accuracy"]) <= 0.02
