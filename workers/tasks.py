@@ -196,6 +196,16 @@ def level_counts(mix: dict[str, float], n: int) -> dict[str, int]:
     return {k: c for k, c in counts.items() if c > 0}
 
 
+def _draw_distinct(name: str, rng: random.Random, k: int, exclude: set[str] = frozenset()) -> list[Prompt]:
+    """`k` prompts of level `name` with distinct texts, none in `exclude`, in the order first drawn."""
+    level, drawn = LEVELS[name], {}
+    while len(drawn) < k:
+        text, answer = level.draw(rng)
+        if text not in exclude:
+            drawn.setdefault(text, answer)
+    return [Prompt(text, text, answer, name) for text, answer in drawn.items()]
+
+
 def _arithmetic(cfg: TaskConfig) -> Task:
     rng = random.Random(cfg.seed)
     mix = cfg.mix.weights()
@@ -208,11 +218,7 @@ def _arithmetic(cfg: TaskConfig) -> Task:
             raise TaskError(f"arithmetic level {name!r} has only {level.pool_size()} distinct prompts, "
                             f"but the mix asks for {k_train} train + {k_eval} eval; lower "
                             f"TaskConfig.num_train or mix.{name}")
-        drawn: dict[str, str] = {}
-        while len(drawn) < k_eval + k_train:
-            text, answer = level.draw(rng)
-            drawn.setdefault(text, answer)
-        items = [Prompt(text, text, answer, name) for text, answer in drawn.items()]
+        items = _draw_distinct(name, rng, k_eval + k_train)
         evals += items[:k_eval]
         train += items[k_eval:]
     rng.shuffle(train)
@@ -225,17 +231,11 @@ def _arithmetic_dev(cfg: TaskConfig, n: int, taken: list[Prompt]) -> list[Prompt
     used = {p.text for p in taken}
     dev: list[Prompt] = []
     for name, k in sorted(level_counts(cfg.mix.weights(), n).items()):
-        level = LEVELS[name]
-        free = level.pool_size() - sum(p.level == name for p in taken)
+        free = LEVELS[name].pool_size() - sum(p.level == name for p in taken)
         if k > free:
             raise TaskError(f"arithmetic level {name!r} has {free} prompts left beside train and eval, too few "
                             f"for a dev split of {k}; lower warmstart.dev_size or TaskConfig.num_train")
-        drawn: dict[str, str] = {}
-        while len(drawn) < k:
-            text, answer = level.draw(rng)
-            if text not in used:
-                drawn.setdefault(text, answer)
-        dev += [Prompt(text, text, answer, name) for text, answer in drawn.items()]
+        dev += _draw_distinct(name, rng, k, exclude=used)
     rng.shuffle(dev)
     return dev
 

@@ -255,12 +255,10 @@ class _StopRule:
     def at_cap(self, step: int, model) -> None:
         """The cap is reached without the target: accept the last step if it is within the band."""
         cfg = self.cfg
-        if self.checks and self.checks[-1][0] == step:
-            acc = self.checks[-1][1]
-        else:
-            if self._check(step, model):
-                return
-            acc = self.checks[-1][1]
+        measured = self.checks and self.checks[-1][0] == step
+        if not measured and self._check(step, model):
+            return
+        acc = self.checks[-1][1]
         if not cfg.min_accuracy <= acc <= cfg.max_accuracy:
             raise WarmstartError(
                 f"warm start reached its cap of {cfg.steps} steps with dev accuracy {acc:.3f}, outside "
