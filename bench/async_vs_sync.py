@@ -4,7 +4,7 @@
                                   [--out runs/bench/async_vs_sync] [--set KEY=VALUE ...]
 
 The budget is run.time_limit_s per run, counted from the trainer's v0 (start-up excluded);
-all three settings poll at 20 ms (see FAST_POLL). About 14 minutes on a 2-core machine.
+all three settings poll at 20 ms (see FAST_POLL). About 11 minutes on a 2-core machine.
 
 Three settings, each run with every seed, one run at a time (`asyncgrpo ablate`
 cells in --out, so an interrupted benchmark resumes where it stopped):
