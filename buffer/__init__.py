@@ -2,19 +2,31 @@
 
 Never imports torch (nor workers/ or pipeline/): generators, the trainer and
 the CLI all come here through files.
+
+Names are imported on first use, so that importing one module (e.g.
+`buffer.groups`, which config checks reach through `workers.grpo.options`)
+does not load pyarrow and DuckDB.
 """
 
-from buffer.compaction import CompactionReport, compact
-from buffer.index import STATE_NAMES, GroupIndex, admission_limit
-from buffer.layout import BufferDir, BufferError, StorageError, find_buffer
-from buffer.sampler import ORDERS, Batch, Sampler
-from buffer.schema import LEDGER_SCHEMA, ROLLOUT_COLUMN_DOCS, ROLLOUT_SCHEMA, staleness
-from buffer.sql import BufferSQL, SqlError, check_read_only
-from buffer.writer import Completion, Group, ShardWriter, filter_reason, group_reward_stats
+from importlib import import_module
 
-__all__ = [
-    "Batch", "BufferDir", "BufferError", "BufferSQL", "CompactionReport", "Completion", "Group",
-    "GroupIndex", "LEDGER_SCHEMA", "ORDERS", "ROLLOUT_COLUMN_DOCS", "ROLLOUT_SCHEMA", "STATE_NAMES",
-    "Sampler", "ShardWriter", "SqlError", "StorageError", "admission_limit", "check_read_only", "compact",
-    "filter_reason", "find_buffer", "group_reward_stats", "staleness",
-]
+_WHERE = {
+    **dict.fromkeys(["CompactionReport", "compact"], "buffer.compaction"),
+    **dict.fromkeys(["Completion", "Group", "STD_MODES", "StdMode", "filter_reason", "group_reward_stats"],
+                    "buffer.groups"),
+    **dict.fromkeys(["STATE_NAMES", "GroupIndex", "admission_limit", "group_states", "reason_codes", "state_counts"],
+                    "buffer.index"),
+    **dict.fromkeys(["BufferDir", "BufferError", "StorageError", "find_buffer"], "buffer.layout"),
+    **dict.fromkeys(["ORDERS", "Batch", "Sampler"], "buffer.sampler"),
+    **dict.fromkeys(["LEDGER_SCHEMA", "ROLLOUT_COLUMN_DOCS", "ROLLOUT_SCHEMA", "staleness"], "buffer.schema"),
+    **dict.fromkeys(["BufferSQL", "SqlError", "check_read_only"], "buffer.sql"),
+    "ShardWriter": "buffer.writer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'buffer' has no attribute {name!r}")
+    return getattr(import_module(_WHERE[name]), name)

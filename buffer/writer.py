@@ -1,4 +1,4 @@
-"""Appending groups: group statistics, the filter flag, and write-once Parquet shards.
+"""Appending groups to a buffer as write-once Parquet shards (groups and their statistics: buffer.groups).
 
 A `ShardWriter` keeps finished groups in memory and writes one shard every
 `flush_groups` groups or `flush_seconds` seconds (checked on each append and by
@@ -23,84 +23,22 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from buffer.groups import FINISH_REASONS, STD_MODES, Group, StdMode, all_equal_reason, ragged_reward_stats
 from buffer.layout import BufferDir, BufferError, atomic_file
-from buffer.schema import ROLLOUT_SCHEMA, FilterReason, parquet_write_options
+from buffer.schema import ROLLOUT_SCHEMA, parquet_write_options
 
-StdMode = Literal["sample", "population", "none"]
-FINISH_REASONS = ("stop", "length")
 # Columns with one value per group, repeated on each of its completions' rows.
 _PER_GROUP = ["group_id", "group_size", "prompt_id", "task", "prompt", "prompt_ids", "group_reward_mean",
               "group_reward_std", "filtered", "filter_reason", "version", "created_at", "temperature", "top_p",
               "top_k"]
-
-
-@dataclass
-class Completion:
-    """One sampled completion and its score."""
-
-    text: str
-    token_ids: Sequence[int] | np.ndarray
-    logprobs: Sequence[float] | np.ndarray
-    """Behaviour log-prob of each token in `token_ids`: log_softmax(logits / T)."""
-    reward: float
-    finish_reason: str = "stop"
-    reward_components: Mapping[str, float] = field(default_factory=dict)
-    correct: bool | None = None
-    reward_error: str | None = None
-
-
-@dataclass
-class Group:
-    """The G completions of one prompt, sampled with one weight version."""
-
-    prompt_id: str
-    prompt: str
-    prompt_ids: Sequence[int] | np.ndarray
-    version: int
-    completions: list[Completion]
-    task: str = "default"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-
-
-def group_reward_stats(rewards: Sequence[float], std: StdMode = "sample",
-                       eps: float = 1e-6) -> tuple[float, float, np.ndarray]:
-    """Mean, std and advantages of one group's rewards (G,).
-
-    A_i = (r_i - mean(r)) / (std(r) + eps); std is the unbiased sample std
-    ("sample", as verl and TRL), the population std, or 1 ("none", Dr. GRPO,
-    where A_i = r_i - mean). An all-equal group gives std 0 and zeros.
-    The stored advantage is for inspection; the trainer recomputes its own.
-    """
-    r = np.asarray(rewards, dtype=np.float64)
-    mean = float(r.mean())
-    if r.max() == r.min():
-        return mean, 0.0, np.zeros(len(r), dtype=np.float32)
-    sd = float(r.std(ddof=1 if std == "sample" else 0))
-    denom = 1.0 if std == "none" else sd + eps
-    return mean, sd, ((r - mean) / denom).astype(np.float32)
-
-
-def filter_reason(rewards: Sequence[float], correct: Sequence[bool | None]) -> FilterReason | None:
-    """Why a group carries no gradient (all rewards equal), or None if it does."""
-    if max(rewards) != min(rewards):
-        return None
-    if all(c is True for c in correct):
-        return "all_correct"
-    if all(c is False for c in correct):
-        return "all_wrong"
-    return "all_equal"
 
 
 _REWARD_TYPES = (float, int, np.floating, np.integer)
@@ -147,50 +85,6 @@ def _list_array(chunks: list, value_type: pa.DataType, np_type) -> pa.ListArray:
     np.cumsum(lengths, out=offsets[1:])
     values = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np_type, count=int(offsets[-1]))
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
-
-
-def _flush_stats(rewards: np.ndarray, sizes: np.ndarray, std: StdMode,
-                 eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`group_reward_stats` of P groups at once: rewards (R,) in group order, sizes (P,).
-
-    Returns mean (P,), std (P,), advantage (R,) float32 and all_equal (P,) bool,
-    bit for bit what `group_reward_stats` gives group by group: the same
-    reductions (numpy's mean and std, written out), row-wise over the groups of
-    each size; all-equal groups get std 0 and advantages 0.
-    """
-    n_groups = len(sizes)
-    if sizes.min() == sizes.max():       # the usual case: one G for the whole flush
-        buckets = [(slice(None), slice(None), int(sizes[0]))]
-    else:
-        starts = np.cumsum(sizes) - sizes
-        buckets = []
-        for size in np.unique(sizes).tolist():
-            gi = np.flatnonzero(sizes == size)
-            buckets.append((gi, (starts[gi][:, None] + np.arange(size)).ravel(), size))
-    mean, sd = np.zeros(n_groups), np.zeros(n_groups)
-    adv = np.zeros(len(rewards), dtype=np.float32)
-    equal = np.ones(n_groups, dtype=bool)
-    for gi, rows, size in buckets:
-        r = rewards[rows].reshape(-1, size)                   # (k, G)
-        m = r.sum(axis=1, keepdims=True) / size               # (k, 1), as np.mean
-        eq = r.max(axis=1) == r.min(axis=1)                   # (k,)
-        dev = r - m
-        with np.errstate(divide="ignore", invalid="ignore"):  # G = 1 with ddof = 1: all-equal anyway
-            s = np.sqrt((dev * dev).sum(axis=1, keepdims=True) / (size - (std == "sample")))  # as np.std
-            a = (dev if std == "none" else dev / (s + eps)).astype(np.float32)
-        s[eq] = 0.0
-        a[eq] = 0.0
-        mean[gi], sd[gi], equal[gi], adv[rows] = m[:, 0], s[:, 0], eq, a.ravel()
-    return mean, sd, adv, equal
-
-
-def _equal_reason(correct: list[bool | None]) -> FilterReason:
-    """`filter_reason` of a group already known to have all rewards equal."""
-    if all(c is True for c in correct):
-        return "all_correct"
-    if all(c is False for c in correct):
-        return "all_wrong"
-    return "all_equal"
 
 
 def _const_strings(value: str, n: int) -> pa.StringArray:
@@ -264,6 +158,8 @@ class ShardWriter:
             raise BufferError(f"row_group_groups must be >= 1, got {row_group_groups}")
         if flush_seconds is not None and flush_seconds <= 0:
             raise BufferError(f"flush_seconds must be > 0 or None, got {flush_seconds}")
+        if advantage_std not in STD_MODES:
+            raise BufferError(f"advantage_std must be one of {STD_MODES}, got {advantage_std!r}")
         self.dir = BufferDir(root, create=True)
         self.dir.clean_tmp()
         self.generator_id = generator_id
@@ -429,10 +325,10 @@ class ShardWriter:
         sizes = np.array(sizes_list, dtype=np.int64)
         starts = np.cumsum(sizes) - sizes
         rewards = np.array([c.reward for c in comps], dtype=np.float64)
-        mean, sd, adv, equal = _flush_stats(rewards, sizes, self.advantage_std, self.eps)
+        mean, sd, adv, equal = ragged_reward_stats(rewards, sizes, self.advantage_std, self.eps)
         reasons: list[str | None] = [None] * len(groups)
         for k in np.flatnonzero(equal).tolist():
-            reasons[k] = _equal_reason([c.correct for c in groups[k].completions])
+            reasons[k] = all_equal_reason([c.correct for c in groups[k].completions])
         group_ids = [gid for _, gid, _ in pending]
         per_group = pa.Table.from_arrays([
             pa.array(group_ids, pa.string()),

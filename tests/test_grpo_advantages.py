@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buffer.writer import group_reward_stats
+from buffer.groups import group_reward_stats, reward_stats
 from workers.grpo import group_advantages
 
 
@@ -78,6 +78,37 @@ def test_agrees_with_buffer_on_random_rewards(std):
     want = np.stack([group_reward_stats(g, std=std)[2] for g in rewards])
     assert (want == 0).all(axis=1).sum() > 0          # some binary groups are all-equal
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _random_reward_rows(rng: np.random.Generator, n: int, g: int) -> np.ndarray:
+    """(n, g) rewards of the kinds groups have: continuous at several scales, binary, a few levels,
+    and rows that are all equal."""
+    rows = np.concatenate([rng.normal(size=(n, g)) * 10.0 ** rng.uniform(-2, 2, size=(n, 1)),
+                           rng.integers(0, 2, size=(n, g)).astype(np.float64),
+                           rng.choice([0.0, 0.5, 1.0], size=(n, g)),
+                           np.repeat(rng.uniform(-10, 10, size=(n, 1)), g, axis=1)])
+    return rows[rng.permutation(len(rows))]
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-6, 0.3])
+@pytest.mark.parametrize("std", ["sample", "population", "none"])
+def test_buffer_formula_matches_torch_on_many_random_groups(std, eps):
+    """buffer.groups.reward_stats (numpy, stored at append time) and group_advantages (torch, the
+    trainer's) are one formula: in float64 they differ only by summation order, within 1e-12 of
+    max(1, |A|); all-equal groups (G = 1 included) are exactly 0 in both."""
+    rng = np.random.default_rng(7)
+    checked = all_equal_rows = 0
+    for g in (1, 2, 3, 4, 8, 16, 64):
+        rewards = _random_reward_rows(rng, 25, g)                             # (N, G)
+        _, _, want, all_equal = reward_stats(rewards, std=std, eps=eps)
+        got = group_advantages(torch.from_numpy(rewards), std=std, eps=eps).numpy()
+        assert got.dtype == want.dtype == np.float64 and got.shape == want.shape == rewards.shape
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        assert (got[all_equal] == 0).all() and (want[all_equal] == 0).all()
+        assert np.isfinite(want).all() and np.isfinite(got).all()
+        checked += len(rewards)
+        all_equal_rows += int(all_equal.sum())
+    assert checked == 7 * 100 and all_equal_rows >= 7 * 25     # every G = 1 row, and every constant row
 
 
 @pytest.mark.parametrize("kwargs, field, value", [

@@ -11,16 +11,17 @@ towards groups with a small reward spread). A group whose rewards are all
 equal gets A = 0 exactly, never NaN; such groups carry no gradient and the
 buffer flags them, but a trainer may still see one (e.g. G = 1).
 
-This is the formula of `buffer.writer.group_reward_stats` (numpy, applied at
-append time for inspection); the trainer recomputes advantages with this
-function over whole groups, before any micro-batch split.
+This is the torch form of `buffer.groups.reward_stats` (numpy, applied at
+append time for inspection; tests/test_grpo_advantages.py checks that the two
+agree); the trainer recomputes advantages with this function over whole
+groups, before any micro-batch split.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.grpo.options import STD_MODES, StdMode
+from buffer.groups import STD_MODES, StdMode
 
 
 def group_advantages(rewards: torch.Tensor, std: StdMode = "sample", eps: float = 1e-6,

@@ -1,8 +1,10 @@
-"""The names the GRPO functions accept, and PolicyLossConfig: plain Python, no torch.
+"""The names the GRPO functions accept, and PolicyLossConfig: no torch.
 
 Configs are read and checked (`asyncgrpo config`, bad input to every command)
 without importing torch; the torch modules take their names from here, and the
-registries of KL estimators and aggregation modes must hold exactly these.
+registries of KL estimators and aggregation modes must hold exactly these. The
+advantage's std modes are the buffer's (`buffer.groups`, which stores advantages
+too), re-exported here.
 """
 
 from __future__ import annotations
@@ -10,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from buffer.groups import STD_MODES, StdMode  # noqa: F401 - re-exported as workers.grpo.STD_MODES, StdMode
 from workers.checks import is_num
 
-StdMode = Literal["sample", "population", "none"]
-STD_MODES: tuple[StdMode, ...] = ("sample", "population", "none")
 ISLevel = Literal["token", "sequence-product", "sequence-geomean"]
 ISMode = Literal["truncate", "mask"]
 IS_LEVELS: tuple[ISLevel, ...] = ("token", "sequence-product", "sequence-geomean")

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from buffer.groups import STD_MODES, StdMode
 from workers.checks import is_int, is_num, require
-from workers.grpo.options import STD_MODES, PolicyLossConfig, StdMode
+from workers.grpo.options import PolicyLossConfig
 
 Dtype = Literal["float32", "bfloat16"]
 LrSchedule = Literal["constant", "cosine", "linear"]

@@ -26,12 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from workers.stop import StopFlag
 from workers.trainer.batch import step_batch, table_from_bytes, table_to_bytes
 from workers.trainer.checkpoint import save_checkpoint
 from workers.trainer.config import TrainerConfig
 from workers.trainer.control import lr_factor
 from workers.trainer.distributed import init_dist
-from workers.trainer.session import Session, StopFlag, TrainerError, open_session
+from workers.trainer.session import Session, TrainerError, open_session
 from workers.trainer.step import train_step
 
 log = logging.getLogger("asyncgrpo.trainer")

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from workers.stop import StopFlag
 from workers.trainer.checkpoint import clean_tmp, list_checkpoints, load_checkpoint, remove_after, set_rng_state
 from workers.trainer.config import TrainerConfig
 from workers.trainer.control import KLController
@@ -36,36 +35,6 @@ log = logging.getLogger("asyncgrpo.trainer")
 
 class TrainerError(Exception):
     """A run directory the trainer cannot work with; the message says what to do."""
-
-
-class StopFlag:
-    """Set by SIGTERM / SIGINT: finish (or abandon, while waiting) the step, checkpoint, exit 0.
-
-    A second signal restores the previous handlers and re-raises itself (default behaviour).
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, object] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            self.restore()
-            signal.raise_signal(signum)
-            return
-        self.requested = True
-        log.info("got %s: finishing this step, then checkpointing and exiting", signal.Signals(signum).name)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
 
 
 @dataclass
