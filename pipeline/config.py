@@ -1,8 +1,9 @@
 """The run configuration: the components' own dataclasses composed into one, read from TOML.
 
 A config file holds only overrides of the typed defaults (`configs/default.toml`
-is nearly empty on purpose); `--set section.key=value` lays more on top; the
-fully resolved config is saved as `<run>/config.toml`, so a run can always be
+is nearly empty on purpose); `--set section.key=value` lays more on top (a
+list such as `reward.functions` is one value, replaced whole); the fully
+resolved config is saved as `<run>/config.toml`, so a run can always be
 reproduced and resumed. Every field is documented once, under its field, in
 its component's dataclass; `asyncgrpo config --explain` prints them all.
 """
@@ -15,7 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pipeline.schema import build, set_path, to_dict
+import tomli_w
+
+from buffer.layout import atomic_write_bytes
+from pipeline.schema import NONE, build, set_path, to_dict, toml_value
 from workers.checks import ConfigError, is_int, is_num, require
 from workers.generator import GeneratorConfig
 from workers.rewards import RewardConfig
@@ -101,6 +105,10 @@ def parse_override(item: str) -> tuple[str, object]:
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. --set trainer.lr=1e-5")
+    if "[" in key:
+        raise ConfigError(f"--set {item!r}: entries of a list are not set one by one; set the whole list, e.g. "
+                          "--set 'reward.functions=[{name = \"accuracy\"}, {name = \"format\", weight = 0.5}]', "
+                          "or write it in the config file")
     raw = raw.strip()
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
@@ -134,11 +142,32 @@ def _resolve(data: dict, overrides, where: str) -> Config:
         key, value = parse_override(item)
         data = set_path(data, key, value)
     try:
+        _reject_old_reward_keys(data.get("reward"))
         cfg = build(Config, data)
         check_consistency(cfg)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return cfg
+
+
+_OLD_REWARD_KEYS = ("accuracy_weight", "format_weight", "custom", "custom_weight")
+
+
+def _reject_old_reward_keys(reward) -> None:
+    """ConfigError for the reward keys read before rewards became a list, with the list that replaces them."""
+    if not isinstance(reward, dict) or not any(k in reward for k in _OLD_REWARD_KEYS):
+        return
+    old = [k for k in _OLD_REWARD_KEYS if k in reward]
+    functions = [{"name": "accuracy", "weight": reward.get("accuracy_weight", 1.0)}]
+    if reward.get("format_weight", 0.0) != 0.0:
+        functions.append({"name": "format", "weight": reward["format_weight"]})
+    if reward.get("custom") not in (None, NONE):
+        functions.append({"name": reward["custom"], "weight": reward.get("custom_weight", 1.0)})
+    inline = ", ".join(f"{{name = {toml_value(f['name'])}, weight = {toml_value(f['weight'])}}}" for f in functions)
+    raise ConfigError(f"{', '.join('reward.' + k for k in old)}: rewards are now a list of functions (built-in "
+                      f"accuracy and format, or \"module:function\"), each with a weight; in the [reward] table, "
+                      f"replace these keys with: functions = [{inline}] (--set 'reward.functions=[...]' takes the "
+                      "same list)")
 
 
 def check_consistency(cfg: Config) -> None:
@@ -154,14 +183,10 @@ def check_consistency(cfg: Config) -> None:
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as TOML (temp file, then rename)."""
-    import tomli_w
-
+    """Write the resolved config as TOML (temp file beside it, fsync, then rename)."""
     p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text("# Resolved configuration of this run (written by asyncgrpo).\n"
-                   + tomli_w.dumps(to_dict(cfg)))
-    os.replace(tmp, p)
+    atomic_write_bytes(p.parent, p, ("# Resolved configuration of this run (written by asyncgrpo).\n"
+                                     + tomli_w.dumps(to_dict(cfg))).encode())
 
 
 def load_run_config(run_dir: str | os.PathLike) -> Config:

@@ -3,6 +3,10 @@
 Generic over any dataclass tree: unknown keys, wrong types and values the
 dataclass's own `__post_init__` rejects all become one `ConfigError` that names
 the key path (`trainer.loss.epsilon`), the bad value and where it came from.
+A field typed `tuple[Entry, ...]` with a dataclass `Entry` is a list of tables,
+built entry by entry (errors name `reward.functions[1].name`); a list is one
+value, which a file or `--set` replaces whole. Defaults come from one place,
+`field_default`: a nested section's defaults are its parent field's default.
 Field docstrings (the string literal under each field, as in CleanRL) are read
 from the source, so `asyncgrpo config --explain` documents every field once.
 """
@@ -17,6 +21,8 @@ import textwrap
 import types
 from functools import lru_cache
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import tomli_w
 
 from workers.checks import ConfigError
 
@@ -33,7 +39,10 @@ def _type_name(tp) -> str:
         inner = " or ".join(_type_name(a) for a in args)
         return f"{inner} or {NONE!r}" if len(args) < len(get_args(tp)) else inner
     if origin in (tuple, list):
-        return f"a list of {_type_name(get_args(tp)[0])}"
+        entry = get_args(tp)[0]
+        if dataclasses.is_dataclass(entry):
+            return "a list of tables (" + ", ".join(f.name for f in dataclasses.fields(entry)) + ")"
+        return f"a list of {_type_name(entry)}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp)))
 
@@ -76,24 +85,36 @@ def _coerce(value, tp, key: str):
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
 
 
+def field_default(f: dataclasses.Field):
+    """The value a field takes when omitted (its default, or a fresh default_factory()), or MISSING.
+
+    The one source of defaults for `build` and `explain`: a nested section's defaults are its
+    field's default in the parent (TrainerConfig.loss defaults to objective="decoupled"), not the
+    nested class's own (PolicyLossConfig: "bypass")."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
 def build(cls, data: dict, prefix: str = ""):
     """An instance of dataclass `cls` from `data`; defaults fill what `data` omits."""
     hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in data:
-        if k not in names:
-            near = difflib.get_close_matches(k, names, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(names)}"
+        if k not in fields:
+            near = difflib.get_close_matches(k, fields, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(fields)}"
             raise ConfigError(f"unknown key {_join(prefix, k)!r}{hint}")
-    defaults = {f.name: f for f in dataclasses.fields(cls)}
+    for k, f in fields.items():
+        if k not in data and f.init and field_default(f) is dataclasses.MISSING:
+            raise ConfigError(f"{_join(prefix, k)} is missing; it has no default and must be given "
+                              f"({_type_name(hints[k])})")
     kwargs = {}
     for k, v in data.items():
         if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict):
-            # A partial table overrides the field's own default, not the nested class's defaults
-            # (TrainerConfig.loss defaults to objective="decoupled"; PolicyLossConfig to "bypass").
-            f = defaults[k]
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            v = merge(to_dict(default), v)
+            v = merge(to_dict(field_default(fields[k])), v)  # a partial table overrides the field's default
         kwargs[k] = _coerce(v, hints[k], _join(prefix, k))
     try:
         return cls(**kwargs)
@@ -114,17 +135,18 @@ def _rename(msg: str, cls, prefix: str) -> str:
 
 
 def to_dict(obj) -> dict:
-    """A dataclass tree as nested dicts; None becomes "none" (TOML has no null)."""
-    out = {}
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if dataclasses.is_dataclass(v):
-            out[f.name] = to_dict(v)
-        elif v is None:
-            out[f.name] = NONE
-        else:
-            out[f.name] = list(v) if isinstance(v, tuple) else v
-    return out
+    """A dataclass tree as nested dicts (lists of them as lists); None becomes "none" (TOML has no null)."""
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def _plain(v):
+    if dataclasses.is_dataclass(v):
+        return to_dict(v)
+    if v is None:
+        return NONE
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    return v
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -166,20 +188,49 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def explain(cls, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, doc) for every leaf field of the dataclass tree `cls`."""
+def explain(cls, prefix: str = "", defaults=None) -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, doc) for every leaf field of the dataclass tree `cls`.
+
+    Defaults are read from `defaults` (None: `cls()`), walking down its nested sections, so they
+    are the values a run really gets. The fields of a list's entries follow the list, keyed
+    `section.list[].field`, with their own default or MISSING where they must be given."""
     rows = []
     hints = get_type_hints(cls)
     docs = field_docs(cls)
-    defaults = cls()
+    defaults = cls() if defaults is None else defaults
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         key = _join(prefix, f.name)
+        value = getattr(defaults, f.name) if defaults is not dataclasses.MISSING else field_default(f)
         if dataclasses.is_dataclass(tp):
-            rows.extend(explain(tp, key))
-        else:
-            rows.append((key, _type_name(tp), getattr(defaults, f.name), docs.get(f.name, "")))
+            rows.extend(explain(tp, key, value))
+            continue
+        rows.append((key, _type_name(tp), value, docs.get(f.name, "")))
+        entry = get_args(tp)[0] if get_origin(tp) in (tuple, list) else None
+        if dataclasses.is_dataclass(entry):
+            rows.extend(explain(entry, key + "[]", dataclasses.MISSING))
     return rows
 
 
-__all__ = ["ConfigError", "build", "explain", "field_docs", "merge", "set_path", "to_dict"]
+def explain_toml(cls) -> str:
+    """`explain(cls)` as a TOML document: `key = default    # type`, then the field's doc as a comment.
+
+    Loading it gives `cls()` again (a test says so); entry fields of lists are comments only."""
+    out = []
+    for key, tp, default, doc in explain(cls):
+        if "[]" in key:
+            given = "required" if default is dataclasses.MISSING else f"default {toml_value(default)}"
+            out.append(f"# {key}    ({tp}, {given}; one per entry)")
+        else:
+            out.append(f"{key} = {toml_value(default)}    # {tp}")
+        out.append(f"    # {doc}\n")
+    return "\n".join(out)
+
+
+def toml_value(v) -> str:
+    """`v` (a dataclass tree, list, None or scalar) as the right-hand side of a TOML `key = value`."""
+    return tomli_w.dumps({"v": _plain(v)}).removeprefix("v = ").rstrip("\n")
+
+
+__all__ = ["ConfigError", "build", "explain", "explain_toml", "field_default", "field_docs", "merge", "set_path",
+           "to_dict", "toml_value"]

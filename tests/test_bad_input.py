@@ -132,14 +132,15 @@ def test_missing_and_binary_prompt_files(run_dir):
 REWARD_PATHS = [
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
     ("tests.helpers.bad_rewards:missing", "module 'tests.helpers.bad_rewards' has no 'missing'"),
-    ("just_a_module", 'reward.custom must be an import path "module:function"'),
+    ("just_a_module", 'reward.functions[1].name must be a built-in reward (accuracy, format) or an import path'),
     ("tests.helpers.custom_rewards:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a function"),
 ]
 
 
 @pytest.mark.parametrize("path, message", REWARD_PATHS)
 def test_bad_reward_import_path(run_dir, path, message):
-    _assert_user_error(run_cli("generate", "--run", str(run_dir), "--set", f"reward.custom={path}"), message)
+    _assert_user_error(run_cli("generate", "--run", str(run_dir), "--set",
+                               f'reward.functions=[{{name = "accuracy"}}, {{name = "{path}"}}]'), message)
 
 
 B = "tests.helpers.bad_rewards"
@@ -147,7 +148,7 @@ MISBEHAVING_REWARDS = [
     ("infinite", f"{B}:infinite returned inf, not a finite number"),
     ("numpy_nan", f"{B}:numpy_nan returned nan, not a finite number"),
     ("huge_int", f"{B}:huge_int returned {10 ** 400!r}, too large for a float"[:197] + "..."),
-    ("near_max", f"{B}:near_max returned 1e+308, which times custom_weight 2.0 is not a finite number"),
+    ("near_max", f"{B}:near_max returned 1e+308, which times its weight 2.0 is not a finite number"),
     ("a_list", f"{B}:a_list returned list [1.0], not a number"),
     ("key_error", f"{B}:key_error raised KeyError: 'score'"),
     ("wrong_arity", f"{B}:wrong_arity raised TypeError: wrong_arity() takes 1 positional argument but 3 were given"),
@@ -156,21 +157,21 @@ MISBEHAVING_REWARDS = [
 
 @pytest.mark.parametrize("fn, error", MISBEHAVING_REWARDS)
 def test_misbehaving_reward_gives_the_fallback_and_goes_on(fn, error):
-    from workers.rewards import RewardConfig, Scorer
+    from workers.rewards import RewardConfig, RewardFunction, Scorer
     from workers.tasks import Prompt
 
-    s = Scorer(RewardConfig(accuracy_weight=1.0, custom=f"{B}:{fn}", custom_weight=2.0, fallback_reward=-1.0))
+    s = Scorer(RewardConfig((RewardFunction("accuracy"), RewardFunction(f"{B}:{fn}", 2.0)), fallback_reward=-1.0))
     got = s.score(Prompt("1+1=", "1+1=", "2", "add2"), "2")
-    assert (got.reward, got.components, got.correct, got.error) == (-1.0, {"accuracy": 1.0, "custom": -1.0},
+    assert (got.reward, got.components, got.correct, got.error) == (-1.0, {"accuracy": 1.0, f"{B}:{fn}": -1.0},
                                                                      True, error)
     assert math.isfinite(got.reward) and s.num_errors == 1
 
 
 def test_a_numpy_integer_reward_is_a_number():
-    from workers.rewards import RewardConfig, Scorer
+    from workers.rewards import RewardConfig, RewardFunction, Scorer
     from workers.tasks import Prompt
 
-    got = Scorer(RewardConfig(accuracy_weight=0.0, custom=f"{B}:numpy_int")).score(
+    got = Scorer(RewardConfig((RewardFunction("accuracy", 0.0), RewardFunction(f"{B}:numpy_int")))).score(
         Prompt("1+1=", "1+1=", "2", "add2"), "2")
     assert (got.reward, got.error) == (2.0, None)
 

@@ -15,7 +15,7 @@ import pytest
 from buffer import BufferSQL
 from conftest import REPO, run_cli
 from pipeline.config import load_config, save_config
-from pipeline.run import write_run_info
+from pipeline.rundir import write_run_info
 
 SMALL = ["generator.prompts_per_batch=4", "generator.num_generations=4", "generator.flush_groups=4",
          "generator.sampling.max_new_tokens=5", "generator.num_threads=1", "generator.poll_seconds=0.05",
@@ -82,8 +82,9 @@ def test_groups_carry_version_logprobs_and_exact_filter_flags(tmp_path, tiny):
 
 def test_reward_errors_get_the_fallback_and_are_recorded(tmp_path, tiny):
     run = make_run(tmp_path, tiny, "generator.max_groups=8", "trainer.max_staleness=none",
-                   "reward.custom=tests.helpers.gen_rewards:boom_on_odd_length",
-                   "reward.fallback_reward=-1.0", "reward.accuracy_weight=0.0")
+                   'reward.functions=[{name = "accuracy", weight = 0.0}, '
+                   '{name = "tests.helpers.gen_rewards:boom_on_odd_length"}]',
+                   "reward.fallback_reward=-1.0")
     r = run_cli("generate", "--run", str(run), timeout=180)
     assert r.returncode == 0, r.stderr
     rows = q(run, "SELECT completion, reward, reward_error FROM rollouts")
@@ -98,7 +99,8 @@ def test_reward_errors_get_the_fallback_and_are_recorded(tmp_path, tiny):
 def test_admission_stops_at_the_staleness_budget(tmp_path, tiny):
     # max_staleness 0, 3 groups a step, trainer at v0: at most (0 + 0 + 1) * 3 admitted groups.
     run = make_run(tmp_path, tiny, "trainer.max_staleness=0", "trainer.groups_per_step=3",
-                   "reward.accuracy_weight=0.0", "reward.custom=tests.helpers.gen_rewards:boom_on_odd_length",
+                   'reward.functions=[{name = "accuracy", weight = 0.0}, '
+                   '{name = "tests.helpers.gen_rewards:boom_on_odd_length"}]',
                    "generator.flush_seconds=0.2")
     p = start_generator(run)
     try:

@@ -42,8 +42,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,6 +53,7 @@ from workers.checks import is_int, is_num, require
 from workers.generator_stats import GeneratorStats
 from workers.model import ModelError
 from workers.scheduler import SchedulerConfig
+from workers.stop import StopFlag
 
 log = logging.getLogger("asyncgrpo.generator")
 
@@ -108,30 +107,20 @@ class Admission:
     groups_per_step: int
 
 
-class StopFlag:
-    """Set by SIGTERM / SIGINT (or by a caller); checked between batches."""
-
-    def __init__(self, install_signals: bool = True):
-        self._event = threading.Event()
-        if install_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self._event.set())
-
-    def set(self) -> None:
-        self._event.set()
-
-    def __bool__(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, seconds: float) -> bool:
-        return self._event.wait(seconds)
-
-
 def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, scorer,
                   admission: Admission, generator_id: str = "gen0", seed: int = 0,
                   model_dtype: str = "float32", device: str = "cpu",
                   stop: StopFlag | None = None) -> dict:
-    """Run the generator loop until stopped; returns totals (groups, filtered, tokens, seconds)."""
+    """Run the generator loop until stopped; returns totals (groups, filtered, tokens, seconds).
+
+    Without `stop`, the run catches SIGTERM / SIGINT itself (see workers.stop) and puts the
+    previous handlers back when it returns.
+    """
+    if stop is None:
+        with StopFlag() as own:
+            return run_generator(run_dir, cfg, task=task, scorer=scorer, admission=admission,
+                                 generator_id=generator_id, seed=seed, model_dtype=model_dtype,
+                                 device=device, stop=own)
     import torch
 
     from buffer import GroupIndex, ShardWriter, filter_reason
@@ -140,7 +129,6 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     from workers.weights import WeightStore
 
     run = Path(run_dir)
-    stop = stop if stop is not None else StopFlag()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     store = WeightStore(run / "weights")

@@ -31,3 +31,11 @@ def none(prompt: str, completion: str, answer: str):
 
 def long_error(prompt: str, completion: str, answer: str) -> float:
     raise RuntimeError("x" * 1000)
+
+
+def huge(prompt: str, completion: str, answer: str) -> float:
+    return 1e308
+
+
+def huge_too(prompt: str, completion: str, answer: str) -> float:
+    return 1e308
