@@ -127,7 +127,7 @@ def prepare_run(run: Path, settings: list[str]) -> dict:
     import shutil
 
     from pipeline.config import load_config, save_config
-    from pipeline.run import prepare_model, write_run_info
+    from pipeline.rundir import prepare_model, write_run_info
 
     cfg = load_config(REPO / "configs" / "default.toml", settings)
     model = prepare_model(cfg, echo=log)

@@ -191,10 +191,8 @@ class GroupIndex:
         self.files.append(path)
         self._file_of[path.name] = fidx
         col = {c: table.column(c) for c in INDEX_COLUMNS}
-        reasons = np.array([_REASON_CODE.get(r, 0) for r in col["filter_reason"].take(first).to_pylist()],
-                           dtype=np.int8)
-        filtered = col["filtered"].to_numpy(zero_copy_only=False)[first]
-        reasons[filtered & (reasons == 0)] = _REASON_CODE["all_equal"]
+        reasons = reason_codes(col["filter_reason"].take(first).to_pylist(),
+                               col["filtered"].to_numpy(zero_copy_only=False)[first])
         versions = col["version"].to_numpy()[first]
         created = col["created_at"].cast(pa.int64()).to_numpy()[first]
         means = col["group_reward_mean"].to_numpy()[first]
@@ -226,28 +224,55 @@ class GroupIndex:
     # -- states and counts -------------------------------------------------------
     def states(self, trainer_version: int, max_staleness: int | None, reuse: int = 1) -> np.ndarray:
         """State code per group (see module doc), shape (num_groups,)."""
-        stale = staleness(trainer_version, self.version.view)
-        s = np.full(len(self), ELIGIBLE, dtype=np.int8)
-        if max_staleness is not None:
-            s[stale > max_staleness] = EXPIRED
-        s[stale < 0] = FUTURE
-        s[~self.available.view] = UNAVAILABLE
-        s[self.use_count.view >= reuse] = CONSUMED
-        s[self.reason.view > 0] = FILTERED
-        return s
+        return group_states(self.version.view, self.reason.view, self.use_count.view, self.available.view,
+                            trainer_version, max_staleness, reuse)
 
     def counts(self, trainer_version: int, max_staleness: int | None, reuse: int = 1) -> dict:
         """Groups per state, filtered per reason, and states per version."""
-        s = self.states(trainer_version, max_staleness, reuse)
-        per_state = np.bincount(s, minlength=len(STATE_NAMES))
-        reasons = np.bincount(self.reason.view, minlength=len(FILTER_REASONS) + 1)
-        out = {"groups": len(self), **{name: int(per_state[i]) for i, name in enumerate(STATE_NAMES)}}
-        out["filtered_by_reason"] = {r: int(reasons[c]) for r, c in _REASON_CODE.items()}
-        out["admitted"] = int(len(self) - per_state[FILTERED])
-        by_version: dict[int, dict[str, int]] = {}
-        versions = self.version.view
-        for v in np.unique(versions):
-            row = np.bincount(s[versions == v], minlength=len(STATE_NAMES))
-            by_version[int(v)] = {name: int(row[i]) for i, name in enumerate(STATE_NAMES) if row[i]}
-        out["by_version"] = by_version
-        return out
+        return state_counts(self.states(trainer_version, max_staleness, reuse), self.reason.view,
+                            self.version.view)
+
+
+def reason_codes(filter_reasons: list[str | None], filtered: np.ndarray) -> np.ndarray:
+    """Filter reason code per group, shape (N,): 1 + position in FILTER_REASONS, 0 when not filtered.
+
+    A group flagged `filtered` without a reason counts as all_equal.
+    """
+    codes = np.array([_REASON_CODE.get(r, 0) for r in filter_reasons], dtype=np.int8)
+    codes[np.asarray(filtered, dtype=np.bool_) & (codes == 0)] = _REASON_CODE["all_equal"]
+    return codes
+
+
+def group_states(version: np.ndarray, reason: np.ndarray, use_count: np.ndarray, available: np.ndarray,
+                 trainer_version: int, max_staleness: int | None, reuse: int = 1) -> np.ndarray:
+    """State code per group (see module doc), shape (N,), from per-group arrays of shape (N,).
+
+    Later rules win: filtered over consumed over unavailable over future/expired.
+    """
+    stale = staleness(trainer_version, version)
+    s = np.full(len(version), ELIGIBLE, dtype=np.int8)
+    if max_staleness is not None:
+        s[stale > max_staleness] = EXPIRED
+    s[stale < 0] = FUTURE
+    s[~available] = UNAVAILABLE
+    s[use_count >= reuse] = CONSUMED
+    s[reason > 0] = FILTERED
+    return s
+
+
+def state_counts(states: np.ndarray, reason: np.ndarray, version: np.ndarray) -> dict:
+    """Groups per state, filtered per reason, admitted, and states per version (nonzero ones only).
+
+    states, reason, version: per group, shape (N,).
+    """
+    per_state = np.bincount(states, minlength=len(STATE_NAMES))
+    reasons = np.bincount(reason, minlength=len(FILTER_REASONS) + 1)
+    out = {"groups": len(states), **{name: int(per_state[i]) for i, name in enumerate(STATE_NAMES)}}
+    out["filtered_by_reason"] = {r: int(reasons[c]) for r, c in _REASON_CODE.items()}
+    out["admitted"] = int(len(states) - per_state[FILTERED])
+    versions, at = np.unique(version, return_inverse=True)
+    table = np.bincount(at * len(STATE_NAMES) + states, minlength=len(versions) * len(STATE_NAMES))
+    table = table.reshape(len(versions), len(STATE_NAMES))  # (versions, states)
+    out["by_version"] = {int(v): {name: int(row[i]) for i, name in enumerate(STATE_NAMES) if row[i]}
+                         for v, row in zip(versions, table)}
+    return out

@@ -22,9 +22,11 @@ statement check is the one guard.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
@@ -191,22 +193,45 @@ class BufferSQL:
 
     def query(self, sql: str) -> pa.Table:
         """Run a read-only query on fresh views; unreadable shards are quarantined and left out."""
+        with self.result(sql) as rows:
+            return rows.to_arrow_table()
+
+    @contextlib.contextmanager
+    def result(self, sql: str) -> Iterator[duckdb.DuckDBPyRelation]:
+        """The rows of a read-only query as a DuckDB relation, with DuckDB's own types, for the with-block.
+
+        The query runs once, on fresh views, before the block (unreadable shards
+        are quarantined and left out, as in `query`); the rows are held in memory,
+        so reading the relation again reads no file. The connection closes after
+        the block; a DuckDB error inside it becomes an SqlError.
+        """
         check_read_only(sql)
         for _ in range(1000):
             con = None
             try:
                 con = self.connect()  # binding the views reads every footer
                 rel = con.sql(sql)
-                return rel.to_arrow_table() if rel is not None else pa.table({})
-            except duckdb.Error as e:
+                if rel is None:
+                    raise SqlError(f"the query returned nothing to show: {sql.strip()[:80]!r}")
+                rows = rel.materialize()
+            except BaseException as e:
+                if con is not None:
+                    con.close()
+                if not isinstance(e, duckdb.Error):
+                    raise
                 if not self._union and "schema mismatch" in str(e):
                     self._union = True  # a shard of another schema: a whole file, not a bad one
                     continue
                 if not self._handle_bad_file(e):
                     raise SqlError(_clean(e)) from None
+                continue
+            try:
+                yield rows
+            except duckdb.Error as e:
+                raise SqlError(_clean(e)) from None
             finally:
-                if con is not None:
-                    con.close()
+                con.close()
+            return
         raise SqlError("too many unreadable files")
 
     def _handle_bad_file(self, e: duckdb.Error) -> bool:

@@ -15,14 +15,23 @@ from pathlib import Path
 
 import numpy as np
 
-from buffer import BufferError, Completion, Group, Sampler, ShardWriter, compact
+import buffer
+from buffer.groups import Completion, Group
+from buffer.layout import BufferError
 from pipeline.status import buffer_status, print_status
 
 
-def _synthetic_group(rng: np.random.Generator, version: int, group_size: int, prompt_no: int) -> Group:
+def synthetic_group(rng: np.random.Generator, version: int, group_size: int, prompt_no: int,
+                    accuracy: float | None = None, spread: tuple[float, float] = (0.3, 1.5)) -> Group:
+    """One arithmetic-like group 'a+b=' with `group_size` answers of 2-4 characters (no model).
+
+    Each answer is right with probability accuracy x uniform(spread), so groups differ in
+    difficulty; accuracy defaults to min(0.9, 0.2 + 0.05 x version): the mock policy learns.
+    """
     a, b = (int(x) for x in rng.integers(0, 100, size=2))
     prompt = f"{a}+{b}="
-    p_correct = min(0.9, 0.2 + 0.05 * version) * rng.uniform(0.3, 1.5)
+    accuracy = min(0.9, 0.2 + 0.05 * version) if accuracy is None else accuracy
+    p_correct = accuracy * rng.uniform(*spread)
     comps = []
     for _ in range(group_size):
         correct = bool(rng.random() < p_correct)
@@ -53,16 +62,16 @@ def run_demo(run_dir: str, *, groups: int, group_size: int, groups_per_step: int
                   "replay buffer they will share.")
     rng = np.random.default_rng(seed)
     buffer_root = run / "buffer"
-    writer = ShardWriter(buffer_root, generator_id="demo-generator", flush_groups=64,
+    writer = buffer.ShardWriter(buffer_root, generator_id="demo-generator", flush_groups=64,
                          flush_seconds=None)
-    sampler = Sampler(buffer_root)
+    sampler = buffer.Sampler(buffer_root)
     version, written, pulls, waits = 0, 0, 0, 0
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("writing and pulling", total=groups)
         while written < groups:
             burst = min(groups - written, int(groups_per_step * 1.5))
             for _ in range(burst):
-                writer.append(_synthetic_group(rng, version, group_size, written))
+                writer.append(synthetic_group(rng, version, group_size, written))
                 written += 1
             writer.flush()
             batch = sampler.pull(groups_per_step, trainer_version=version, trainer_step=version + 1,
@@ -76,7 +85,7 @@ def run_demo(run_dir: str, *, groups: int, group_size: int, groups_per_step: int
                             description=f"version {version}, {pulls} pulls")
     writer.close()
     sampler.close()
-    r = compact(buffer_root, min_age_s=0.0, grace_s=0.0)
+    r = buffer.compact(buffer_root, min_age_s=0.0, grace_s=0.0)
     console.print(f"wrote {written} groups x {group_size} completions; the mock trainer took "
                   f"{pulls} steps of {groups_per_step} groups ({waits} times it had to wait); "
                   f"compaction merged {r.merged_files} shards into {r.written_files}.")

@@ -15,8 +15,6 @@ left behind even after a kill -9 of the supervisor.
 
 from __future__ import annotations
 
-import ctypes
-import json
 import logging
 import os
 import signal
@@ -27,23 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import buffer
+from pipeline.children import cli_argv, spawn, tail
+from pipeline.config import save_config
+from pipeline.errors import RunError
+from pipeline.rundir import evaluate_folder, prepare_model, read_run_info, write_run_info
+from workers.weights import WeightStore
+
 if TYPE_CHECKING:
     from pipeline.config import Config
 
 log = logging.getLogger("asyncgrpo.run")
 STOP_GRACE_S = 60.0
-RUN_INFO = "run.json"   # {"initial_model": folder, "eval": {...}}
-
-
-class RunError(Exception):
-    """The run cannot start or continue; the message says why and what to do."""
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass
@@ -58,19 +51,7 @@ class Child:
     exits: list[int] = field(default_factory=list)
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "ab")
-        cores = self.cores
-
-        def pre() -> None:
-            _die_with_parent()
-            os.setpgid(0, 0)  # Ctrl-C reaches only the supervisor, which stops children in order
-            if cores:
-                os.sched_setaffinity(0, cores)
-
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pre,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        out.close()
+        self.proc = spawn(self.argv, self.log_path, own_group=True, cores=self.cores)
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -82,18 +63,6 @@ class Child:
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-
-
-def cli_argv(*args: str) -> list[str]:
-    """The asyncgrpo command as this interpreter runs it (works without the console script)."""
-    return [sys.executable, "-m", "pipeline", *args]
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 class Supervisor:
@@ -169,45 +138,6 @@ class Supervisor:
                 c.proc.wait()
 
 
-def read_run_info(run_dir: Path) -> dict:
-    p = run_dir / RUN_INFO
-    return json.loads(p.read_text()) if p.is_file() else {}
-
-
-def write_run_info(run_dir: Path, info: dict) -> None:
-    p = run_dir / RUN_INFO
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, p)
-
-
-def prepare_model(cfg: Config, echo=print) -> Path:
-    """The initial policy's folder: the user's, or the embedded model (built and warm-started, cached)."""
-    from workers.model import check_model_folder
-
-    if cfg.model.path is not None:
-        return check_model_folder(Path(cfg.model.path).expanduser())
-    from workers.warmstart import cached_model
-
-    ws = cfg.warmstart
-    stop = (f"until dev accuracy >= {ws.target_accuracy:.0%}, at most {ws.steps} steps"
-            if ws.target_accuracy is not None else f"{ws.steps} steps")
-    echo(f"preparing the embedded tiny model (warm start {stop}; cached in {cfg.model.cache_dir})")
-    return cached_model(Path(cfg.model.cache_dir), cfg.task, cfg.warmstart, progress=True)
-
-
-def evaluate_folder(cfg: Config, folder: Path) -> float:
-    """Greedy accuracy of the weights in `folder` on the held-out prompts."""
-    from workers.evaluate import greedy_accuracy_folder
-    from workers.rewards import Scorer
-    from workers.tasks import load_task
-
-    task = load_task(cfg.task)
-    prompts = task.eval if cfg.run.eval_size is None else task.eval[: cfg.run.eval_size]
-    return greedy_accuracy_folder(folder, prompts, Scorer(cfg.reward),
-                                  max_new_tokens=cfg.run.eval_max_new_tokens)
-
-
 class Progress:
     """What the live display shows, read from the run's files (metrics shards, buffer index)."""
 
@@ -232,15 +162,13 @@ class Progress:
         return [r for r in self.seen.values() if r]
 
     def snapshot(self) -> dict:
-        from buffer import BufferDir, GroupIndex
-
         rows = self._metrics_rows()
         last = max(rows, key=lambda r: r.get("step", 0)) if rows else {}
         version = int(last.get("version", 0) or 0)
         counts = {}
-        if BufferDir.is_buffer(self.run / "buffer"):
+        if buffer.BufferDir.is_buffer(self.run / "buffer"):
             if self.index is None:
-                self.index = GroupIndex(self.run / "buffer", quarantine=False)
+                self.index = buffer.GroupIndex(self.run / "buffer", quarantine=False)
             self.index.refresh()
             counts = self.index.counts(version, self.cfg.trainer.max_staleness)
         wait = sum(float(r.get("time/wait_s", 0.0) or 0.0) for r in rows)
@@ -286,8 +214,6 @@ def progress_table(s: dict, title: str):
 
 def run_pipeline(run_dir: Path, cfg: Config, *, resume: bool, echo=print) -> dict:
     """Run (or resume) the pipeline in `run_dir`; returns the summary that is also printed."""
-    from pipeline.config import save_config
-
     info = read_run_info(run_dir)
     if not resume or "initial_model" not in info:
         model = prepare_model(cfg, echo)  # a missing model folder stops here, before anything is made
@@ -351,8 +277,6 @@ def _watch(sup: Supervisor, progress: Progress, deadline: float | None, stop_rea
 
 def finish(run_dir: Path, cfg: Config, info: dict, snap: dict, echo) -> dict:
     """Evaluate the newest published weights and print the summary and queries to try."""
-    from workers.weights import WeightStore
-
     store = WeightStore(run_dir / "weights")
     version = store.latest()
     after = evaluate_folder(cfg, store.folder(version)) if version is not None else info["eval_before"]

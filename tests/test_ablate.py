@@ -145,8 +145,8 @@ def test_bad_options_are_user_errors(tmp_path):
 
 
 def test_cell_state_tells_finished_from_half_finished(tmp_path):
-    from pipeline.ablate import cell_state
-    from pipeline.run import write_run_info
+    from pipeline.ablate.cell import cell_state
+    from pipeline.rundir import write_run_info
 
     run = tmp_path / "cell"
     assert cell_state(run) == "redo"
@@ -176,7 +176,8 @@ class _NoStats:
 
 
 def _admit(buf: Path, writer, trainable, t: int, max_staleness: int, stop=None):
-    from workers.generator import Admission, GeneratorConfig, StopFlag, _admit
+    from workers.generator import Admission, GeneratorConfig, _admit
+    from workers.stop import StopFlag
 
     return _admit(GroupIndex(buf), writer, trainable, Admission(max_staleness, 2), _Store(t),
                   stop if stop is not None else StopFlag(install_signals=False), GeneratorConfig(poll_seconds=0.01), _NoStats())
@@ -206,7 +207,7 @@ def test_admission_counts_neither_filtered_nor_expired_groups(buf):
     # At the limit the generator writes its pending groups before it waits (the trainer needs them).
     writer.append(make_group(1, [0.0, 1.0], prompt_id="pt2", seed=22))
     trainable.appended(True)
-    from workers.generator import StopFlag
+    from workers.stop import StopFlag
 
     stop = StopFlag(install_signals=False)
     threading.Timer(0.5, stop.set).start()

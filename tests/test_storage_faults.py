@@ -196,7 +196,7 @@ def test_trainer_on_a_read_only_run_exits_2_naming_a_file(tmp_path, model_folder
 def _run_dir(tmp_path: Path, model_folder: Path, *sets: str) -> Path:
     """A run directory as `asyncgrpo run` prepares it: config.toml and run.json naming the model."""
     from pipeline.config import load_config, save_config
-    from pipeline.run import write_run_info
+    from pipeline.rundir import write_run_info
 
     run = tmp_path / "run"
     run.mkdir()

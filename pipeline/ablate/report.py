@@ -20,8 +20,15 @@ are placed on it by their weights.json `published_at`.
 from __future__ import annotations
 
 import csv
+import io
+import json
 import math
 from pathlib import Path
+
+import buffer
+from buffer.layout import atomic_file, atomic_write_bytes
+from pipeline.ablate.spec import EVAL_WEIGHTS, parse_target, stopped_by
+from pipeline.rundir import evaluate_folder, read_run_info
 
 COLUMNS = [  # (csv column, markdown header, format)
     ("staleness", "staleness", "{}"),
@@ -41,29 +48,21 @@ EXTRA = ["cell", "setting", "accuracy_before", "target_accuracy", "step_to_targe
 
 
 def _one(db, sql: str) -> dict:
-    from buffer import SqlError
-
     try:
         rows = db.query(sql).to_pylist()
-    except SqlError:  # the view does not exist (no metrics yet, no generator)
+    except buffer.SqlError:  # the view does not exist (no metrics yet, no generator)
         return {}
     return rows[0] if rows else {}
 
 
 def cell_result(run: Path, cell, cfg, target: str, *, replay: bool) -> dict:
     """The cell's row and accuracy curve; evaluates the kept versions (greedy, run.eval_size prompts)."""
-    import json
-
     from transformers.utils import logging as hf_logging
-
-    from buffer import BufferSQL, GroupIndex
-    from pipeline.ablate import EVAL_WEIGHTS, parse_target, stopped_by
-    from pipeline.run import evaluate_folder, read_run_info
 
     hf_logging.disable_progress_bar()
     info = read_run_info(run)
     summary = info["summary"]
-    db = BufferSQL(run)
+    db = buffer.BufferSQL(run)
     m = _one(db, 'SELECT max(step) AS steps, sum("time/wait_s") AS wait, sum("time/step_s") AS busy, '
                  'min(time - "time/step_s") AS t0, max(time) AS t1 FROM metrics')
     steps = int(m.get("steps") or 0)
@@ -72,7 +71,7 @@ def cell_result(run: Path, cell, cfg, target: str, *, replay: bool) -> dict:
     gen_idle = None if replay else _one(
         db, "SELECT sum(wait_s) / sum(seconds) AS idle FROM generator_metrics").get("idle")
     version = summary.get("version") or 0
-    counts = GroupIndex(run / "buffer", quarantine=False).counts(version, cfg.trainer.max_staleness)
+    counts = buffer.GroupIndex(run / "buffer", quarantine=False).counts(version, cfg.trainer.max_staleness)
     groups = max(counts["groups"], 1)
 
     curve = []
@@ -125,18 +124,17 @@ def write_outputs(out: Path, results: list[dict], cells) -> None:
     _write_csv(out / "curves.csv", ["cell", "setting", "seed", "step", "version", "wall_s", "accuracy"],
                [{"cell": r["row"]["cell"], "setting": r["setting"], "seed": r["row"]["seed"], **p}
                 for r in results for p in r["curve"]])
-    (out / "ablation.md").write_text(markdown(results, sweep_keys))
+    atomic_write_bytes(out, out / "ablation.md", markdown(results, sweep_keys).encode())
     plot(out / "ablation.png", results)
 
 
 def _write_csv(path: Path, header: list[str], rows: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: "" if r.get(k) is None else r.get(k) for k in header})
-    tmp.replace(path)
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=header, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: "" if r.get(k) is None else r.get(k) for k in header})
+    atomic_write_bytes(path.parent, path, text.getvalue().encode())
 
 
 def markdown(results: list[dict], sweep_keys: list[str]) -> str:
@@ -197,7 +195,8 @@ def plot(path: Path, results: list[dict]) -> None:
     axes[1].legend(fontsize=7, loc="best")
     fig.suptitle("accuracy: mean over seeds, band = min..max")
     fig.tight_layout()
-    tmp = path.with_name("tmp-" + path.name)
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        with atomic_file(path.parent, path) as f:
+            fig.savefig(f, dpi=110, format="png")
+    finally:
+        plt.close(fig)

@@ -1,0 +1,58 @@
+"""Child `asyncgrpo` processes that never outlive their parent.
+
+Both supervisors (`asyncgrpo run` for its trainer and generators, `asyncgrpo
+ablate` for its cells) start children here: the child asks the kernel for
+SIGTERM when its parent dies (PR_SET_PDEATHSIG), so nothing is left behind even
+after a kill -9 of the supervisor; output goes to a log file; optionally the
+child gets a process group of its own (Ctrl-C reaches only the supervisor,
+which stops children in order) and a set of cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def cli_argv(*args: str) -> list[str]:
+    """The asyncgrpo command as this interpreter runs it (works without the console script)."""
+    return [sys.executable, "-m", "pipeline", *args]
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM when the parent exits (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def spawn(argv: list[str], log_path: Path, *, own_group: bool = False,
+          cores: list[int] | None = None) -> subprocess.Popen:
+    """Start `argv` with stdout and stderr appended to `log_path`, tied to this process's life."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def pre() -> None:
+        die_with_parent()
+        if own_group:
+            os.setpgid(0, 0)
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pre,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last `lines` lines of a log ('' if it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,179 @@
+"""`asyncgrpo status` on a buffer of many versions: ranges, exact sums, the full table, the careful path."""
+
+import json
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from buffer import GroupIndex, Sampler, ShardWriter
+from conftest import make_group, run_cli
+from pipeline.commands.data import status as status_command
+from pipeline.status import DEFAULT_MAX_RANGES, buffer_status, range_width
+
+VERSIONS = list(range(0, 500, 2))      # 250 versions, every other one: ranges must skip the gaps
+TRAINER_VERSION, MAX_STALENESS = 450, 100
+
+
+def _rewards(i: int) -> list[float]:
+    """Group i: G = 2..5; every 5th all correct, every 7th all wrong (filtered), else mixed."""
+    g = 2 + i % 4
+    if i % 5 == 0:
+        return [1.0] * g
+    if i % 7 == 0:
+        return [0.0] * g
+    return [(i + k) % 3 / 2 for k in range(g)] if i % 3 else [1.0] + [0.25] * (g - 1)
+
+
+@pytest.fixture(scope="module")
+def many_versions(tmp_path_factory):
+    """A buffer of 500 groups over 250 versions, 70 of them pulled; returns (buffer, groups by id)."""
+    buf = tmp_path_factory.mktemp("status") / "buffer"
+    groups = {}
+    with ShardWriter(buf, flush_groups=16, flush_seconds=None) as w:
+        for i in range(2 * len(VERSIONS)):
+            v, rewards = VERSIONS[i // 2], _rewards(i)
+            gid = w.append(make_group(v, rewards, prompt_id=f"p{i}", seed=i, tokens=2,
+                                      correct=[r == 1.0 for r in rewards]))
+            groups[gid] = {"version": v, "size": len(rewards), "reward_sum": sum(rewards),
+                           "filtered": max(rewards) == min(rewards), "consumed": False}
+    with Sampler(buf) as s:
+        for step, n in ((1, 40), (2, 30)):
+            b = s.pull(n, trainer_version=TRAINER_VERSION, trainer_step=step, max_staleness=None)
+            for gid in b.group_ids:
+                groups[gid]["consumed"] = True
+    return buf, groups
+
+
+def _expected_state(g: dict) -> str:
+    if g["filtered"]:
+        return "filtered"
+    if g["consumed"]:
+        return "consumed"
+    if g["version"] > TRAINER_VERSION:
+        return "future"
+    return "expired" if TRAINER_VERSION - g["version"] > MAX_STALENESS else "eligible"
+
+
+def _status_json(buf, *args) -> dict:
+    r = run_cli("status", str(buf), "--json", "--trainer-version", str(TRAINER_VERSION),
+                "--max-staleness", str(MAX_STALENESS), *args)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _check_rows(rows: list[dict], groups: dict) -> None:
+    """Each version in exactly one row; every count of a row equals the sum over its groups."""
+    owner = {}
+    for n, row in enumerate(rows):
+        for v in VERSIONS:
+            if row["first"] <= v <= row["last"]:
+                assert v not in owner, f"version {v} in rows {owner[v]} and {n}"
+                owner[v] = n
+    assert sorted(owner) == VERSIONS
+    assert [r["first"] for r in rows] == sorted(r["first"] for r in rows)
+    for row in rows:
+        mine = [g for g in groups.values() if row["first"] <= g["version"] <= row["last"]]
+        assert {row["first"], row["last"]} <= {g["version"] for g in mine}
+        completions = sum(g["size"] for g in mine)
+        assert row["groups"] == len(mine) and row["completions"] == completions
+        for state in ("eligible", "consumed", "filtered", "expired", "future"):
+            assert row[state] == sum(_expected_state(g) == state for g in mine), (row, state)
+        assert row["unavailable"] == 0
+        assert row["filtered_share"] == row["filtered"] / len(mine)
+        # the mean over completions, not the mean of the groups' means
+        reward = sum(g["reward_sum"] for g in mine) / completions
+        assert row["reward_mean"] == pytest.approx(reward, rel=1e-12)
+
+
+def test_summary_has_few_ranges_covering_every_version_with_exact_sums(many_versions):
+    buf, groups = many_versions
+    s = _status_json(buf)
+    rows = s["version_ranges"]
+    # widths 1, 2, 5, 10, 20 leave 250, 250, 100, 50, 25 ranges: 50 is the first with <= 20
+    assert s["version_range_width"] == 50 and len(rows) == 10 <= DEFAULT_MAX_RANGES
+    assert [(r["first"], r["last"]) for r in rows] == [(k, k + 48) for k in range(0, 500, 50)]
+    _check_rows(rows, groups)
+    assert (s["groups"], s["completions"]) == (500, sum(g["size"] for g in groups.values()))
+    assert (s["consumed"], s["filtered"]) == (70, sum(g["filtered"] for g in groups.values()))
+    for key in ("groups", "completions", "eligible", "consumed", "filtered", "expired", "future"):
+        assert sum(r[key] for r in rows) == s[key], key
+    # the same states, per version, as the index the sampler uses
+    counts = GroupIndex(buf, quarantine=False).counts(TRAINER_VERSION, MAX_STALENESS)
+    assert {k: s[k] for k in counts} == json.loads(json.dumps(counts))
+
+    fewer = _status_json(buf, "--ranges", "7")["version_ranges"]
+    assert len(fewer) == 5  # width 100
+    _check_rows(fewer, groups)
+
+
+def test_versions_flag_prints_every_version(many_versions):
+    buf, groups = many_versions
+    rows = _status_json(buf, "--versions")["version_ranges"]
+    assert [(r["first"], r["last"]) for r in rows] == [(v, v) for v in VERSIONS]
+    _check_rows(rows, groups)
+
+    human = run_cli("status", str(buf), "--versions", "--trainer-version", str(TRAINER_VERSION))
+    assert human.returncode == 0, human.stderr
+    assert "groups per version" in human.stdout
+    printed = [int(m) for m in re.findall(r"^(\d+) +\d+ +\d+ +\d\.\d{3} ", human.stdout, flags=re.MULTILINE)]
+    assert printed == VERSIONS
+
+
+def test_human_summary_fits_the_rows(many_versions):
+    buf, _ = many_versions
+    r = run_cli("status", str(buf), "--max-staleness", str(MAX_STALENESS), "--trainer-version",
+                str(TRAINER_VERSION))
+    assert r.returncode == 0, r.stderr
+    assert "groups per version, in ranges of 50 (--versions: every version)" in r.stdout
+    rows = re.findall(r"^(\d+)-(\d+) ", r.stdout, flags=re.MULTILINE)
+    assert rows == [(str(k), str(k + 48)) for k in range(0, 500, 50)]
+    assert "…" not in r.stdout  # a pipe gets whole rows, however many states have groups
+
+
+def test_partial_group_takes_the_careful_path(tmp_path):
+    buf = tmp_path / "buffer"
+    with ShardWriter(buf, flush_groups=2, flush_seconds=None) as w:
+        for i in range(6):
+            w.append(make_group(i, [1, 0, 0, 1], prompt_id=f"p{i}", seed=i))
+    shard = sorted((buf / "shards").glob("w*.parquet"))[1]
+    t = pq.read_table(shard)
+    pq.write_table(t.slice(0, t.num_rows - 1), shard)  # its second group loses a row
+    with pytest.warns(UserWarning, match="partial group"):
+        s = buffer_status(buf)
+    assert s["groups"] == 4 and s["completions"] == 16
+    assert list(s["unreadable"]) == [shard.name] and "partial group" in s["unreadable"][shard.name]
+    assert [(r["first"], r["groups"]) for r in s["version_ranges"]] == [(0, 1), (1, 1), (4, 1), (5, 1)]
+
+
+def test_group_split_over_two_shards_takes_the_careful_path(tmp_path):
+    """Rows add up to group_size, but over two files: the sampler's index rejects both, so must status."""
+    buf = tmp_path / "buffer"
+    with ShardWriter(buf, flush_groups=2, flush_seconds=None) as w:
+        for i in range(6):
+            w.append(make_group(i, [1, 0, 0, 1], prompt_id=f"p{i}", seed=i))
+    a, b = sorted((buf / "shards").glob("w*.parquet"))[1:3]
+    ta, tb = pq.read_table(a), pq.read_table(b)
+    pq.write_table(ta.slice(0, 6), a)                               # group 3 keeps 2 of its 4 rows here
+    pq.write_table(pa.concat_tables([ta.slice(6, 2), tb]), b)       # and 2 move to the next shard
+    with pytest.warns(UserWarning, match="partial group"):
+        s = buffer_status(buf)
+    with pytest.warns(UserWarning, match="partial group"):
+        index = GroupIndex(buf, quarantine=False)
+    assert sorted(s["unreadable"]) == sorted(index.unreadable) and a.name in s["unreadable"]
+    assert s["groups"] == len(index.states(5, None)) < 6
+
+
+@pytest.mark.parametrize("versions, rows, width", [
+    ([0], 1, 1), (range(20), 20, 1), (range(21), 20, 2), (range(914), 20, 50), (range(914), 1, 1000),
+    ([3, 1000, 10**6], 3, 1), ([3, 1000, 10**6], 2, 2000),
+])
+def test_range_width_is_the_smallest_round_one_that_fits(versions, rows, width):
+    import numpy as np
+    assert range_width(np.asarray(versions), rows) == width
+
+
+def test_cli_default_ranges_is_the_library_default():
+    [opt] = [p for p in status_command.params if p.name == "max_ranges"]
+    assert opt.default == DEFAULT_MAX_RANGES
