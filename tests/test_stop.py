@@ -83,6 +83,10 @@ _SECOND_SIGNAL = textwrap.dedent("""
     from workers.stop import StopFlag
 
     sig = getattr(signal, sys.argv[1])
+    # Python's own defaults, whatever this process inherited (a shell's background job starts
+    # with SIGINT ignored, and "the previous handler" would then be SIG_IGN).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     stop = StopFlag()
     if sys.argv[2] == "set":
         stop.set()                         # a caller's stop does not count as the first signal
