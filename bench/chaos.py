@@ -1,14 +1,15 @@
-"""Chaos harness: kill -9 generators and the trainer at random moments during a real run; lose nothing.
+"""Chaos harness: kill -9 generators, the trainer and the compactor at random moments during a real run; lose nothing.
 
     nice python bench/chaos.py [--kills 100] [--generators 2] [--max-steps 250] [--interval 1 4]
                                [--run runs/chaos] [--seed 0] [--set KEY=VALUE ...]
 
 A run of the embedded tiny model on the arithmetic task (the default config with
 smaller steps: 8 groups a step, a checkpoint every 2 steps, shards every 8 groups
-or 1 s) is driven daemon by daemon, as `asyncgrpo run` starts them:
-`asyncgrpo train --run R --resume` and `asyncgrpo generate --run R --index i`.
+or 1 s; the compactor merges sealed shards every 1 s) is driven daemon by daemon,
+as `asyncgrpo run` starts them: `asyncgrpo train --run R --resume`,
+`asyncgrpo generate --run R --index i` and `asyncgrpo compactor --run R`.
 Every `--interval` seconds (uniform between the two bounds) a victim is chosen:
-the trainer, one generator, or everything at once ("power cut"). Before the kill
+the trainer, one generator, the compactor, or everything at once ("power cut"). Before the kill
 the harness records every group the buffer shows (a `GroupIndex` that never
 moves files) and runs a SQL query; then SIGKILL, and the victim is restarted at
 once (the trainer with --resume). A daemon that dies by itself is restarted too
@@ -59,7 +60,7 @@ CHAOS_SETTINGS = [
     "trainer.metrics_flush_seconds=1.0", "trainer.poll_seconds=0.1", "trainer.log_wait_seconds=10",
     "generator.prompts_per_batch=8", "generator.flush_groups=8", "generator.flush_seconds=1.0",
     "generator.num_threads=1", "generator.poll_seconds=0.1", "generator.log_every_seconds=30",
-    "run.time_limit_s=none",
+    "compactor.every_s=1.0", "compactor.min_age_s=2.0", "compactor.grace_s=3.0", "run.time_limit_s=none",
 ]
 
 
@@ -239,9 +240,11 @@ def chaos(run: Path, *, kills: int, generators: int, interval: tuple[float, floa
                      run / "logs" / "trainer.log", ready_mark=" | loss ")
     gens = [Daemon(f"generator-{i}", ["generate", "--run", str(run), "--index", str(i)],
                    run / "logs" / f"generator-{i}.log", ready_mark="loaded weights") for i in range(generators)]
-    daemons = [trainer, *gens]
+    compactor = Daemon("compactor", ["compactor", "--run", str(run)], run / "logs" / "compactor.log",
+                       ready_mark="compacting")
+    daemons = [trainer, *gens, compactor]
     witness = Witness(run)
-    events = {"trainer": 0, "generator": 0, "all": 0}
+    events = {"trainer": 0, "generator": 0, "compactor": 0, "all": 0}
     processes_killed = in_startup = 0
     trainer_code = None
     started = time.time()
@@ -270,8 +273,9 @@ def chaos(run: Path, *, kills: int, generators: int, interval: tuple[float, floa
                 continue
             last = sum(events.values()) == kills - 1
             kind = (rng.choices(["trainer", "all"], weights=[0.75, 0.25]) if last else
-                    rng.choices(["trainer", "generator", "all"], weights=[0.3, 0.6, 0.1]))[0]
-            victims = {"trainer": [trainer], "generator": [rng.choice(gens)], "all": daemons}[kind]
+                    rng.choices(["trainer", "generator", "compactor", "all"], weights=[0.3, 0.45, 0.15, 0.1]))[0]
+            victims = {"trainer": [trainer], "generator": [rng.choice(gens)], "compactor": [compactor],
+                       "all": daemons}[kind]
             if not all(d.working() for d in victims) and rng.random() < STARTUP_SPARE:
                 next_kill = time.time() + 1.0   # mostly kill daemons at work; some kills land in start-up
                 continue
@@ -295,14 +299,15 @@ def chaos(run: Path, *, kills: int, generators: int, interval: tuple[float, floa
                 log(f"{n} kills ({events}); {len(witness.seen)} groups seen; step {_step(run)}")
             next_kill = time.time() + rng.uniform(*interval)
     finally:
-        for d in gens:
+        for d in [*gens, compactor]:
             d.stop()
         if trainer_code is None:
             trainer.stop()
     figures = invariants(run, witness.seen, **shape)
     figures.update({
-        "kills": sum(events.values()), "kills_of_trainer": events["trainer"], "kills_of_a_generator":
-        events["generator"], "kills_of_all": events["all"], "processes_killed": processes_killed, "kills_in_startup": in_startup,
+        "kills": sum(events.values()), "kills_of_trainer": events["trainer"],
+        "kills_of_a_generator": events["generator"], "kills_of_compactor": events["compactor"],
+        "kills_of_all": events["all"], "processes_killed": processes_killed, "kills_in_startup": in_startup,
         "own_exits": {d.name: d.own_exits for d in daemons if d.own_exits},
         "queries_during_faults": witness.queries, "query_errors": len(witness.query_errors),
         "trainer_exit": trainer_code, "max_steps": shape["max_steps"], "seconds": round(time.time() - started, 1),
@@ -323,7 +328,7 @@ def _step(run: Path) -> int | None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=Path, default=REPO / "runs" / "chaos", help="Run directory (deleted first).")
-    p.add_argument("--kills", type=int, default=100, help="Kill events (trainer, a generator, or all).")
+    p.add_argument("--kills", type=int, default=100, help="Kill events (trainer, a generator, the compactor, or all).")
     p.add_argument("--generators", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=250, help="trainer.max_steps: the run ends at max(this, "
                    "the step the last kill rolled the trainer back to + 3).")

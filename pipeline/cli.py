@@ -38,6 +38,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 main.add_command(daemons.run)
 main.add_command(daemons.generate)
 main.add_command(daemons.train)
+main.add_command(daemons.compactor)
 main.add_command(daemons.eval_cmd)
 main.add_command(daemons.warmstart)
 main.add_command(daemons.init_model_cmd)

@@ -21,6 +21,7 @@ import tomli_w
 from buffer.layout import atomic_write_bytes
 from pipeline.schema import NONE, build, set_path, to_dict, toml_value
 from workers.checks import ConfigError, is_int, is_num, require
+from workers.compactor import CompactorConfig
 from workers.generator import GeneratorConfig
 from workers.rewards import RewardConfig
 from workers.tasks import TaskConfig
@@ -67,7 +68,7 @@ class RunConfig:
     restart_backoff_s: float = 1.0
     """First wait before restarting a crashed generator; doubles on each crash, up to 30 s."""
     max_generator_restarts: int | None = 10
-    """Give up (stop the run) after this many generator crashes (None: never give up)."""
+    """Give up (stop the run) after this many crashes of one generator, or of the compactor (None: never)."""
     pin_cores: bool = False
     """Pin the trainer to core 0 and generators to the other cores (emulates separate hardware)."""
 
@@ -96,6 +97,7 @@ class Config:
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    compactor: CompactorConfig = field(default_factory=CompactorConfig)
 
 
 def parse_override(item: str) -> tuple[str, object]:

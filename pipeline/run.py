@@ -2,10 +2,11 @@
 
     prepare the model (embedded tiny model: built and warm-started once, cached)
     greedy accuracy on held-out prompts, before
-    start 1 trainer and N generators (`asyncgrpo train` / `asyncgrpo generate`)
+    start 1 trainer, N generators and (compactor.every_s set) a compactor
+        (`asyncgrpo train` / `asyncgrpo generate` / `asyncgrpo compactor`)
     until the trainer finishes, the time limit, or Ctrl-C / SIGTERM:
         show step, version, reward, accuracy, staleness, buffer fill, filtered, expired, idle share
-        restart a crashed generator with backoff; stop the run if the trainer crashes
+        restart a crashed generator or compactor with backoff; stop the run if the trainer crashes
     stop: SIGTERM to every child (generators flush, the trainer checkpoints), wait
     greedy accuracy on held-out prompts, after; the run directory; SQL to try next
 
@@ -66,7 +67,7 @@ class Child:
 
 
 class Supervisor:
-    """Starts, watches and stops the trainer and generators of one run directory."""
+    """Starts, watches and stops the trainer, the generators and the compactor of one run directory."""
 
     def __init__(self, run_dir: Path, cfg: Config, *, resume: bool):
         self.run, self.cfg = run_dir, cfg
@@ -80,19 +81,22 @@ class Supervisor:
                   run_dir / "logs" / f"generator-{i}.log",
                   cores=[1 + i % (n_cores - 1)] if pin else None)
             for i in range(cfg.run.num_generators)]
+        # Restarted like a generator when it crashes; with pinning it shares the last generator core.
+        self.helpers = [] if cfg.compactor.every_s is None else [
+            Child("compactor", cli_argv("compactor", "--run", str(run_dir)), run_dir / "logs" / "compactor.log",
+                  cores=[n_cores - 1] if pin else None)]
         self.stopping = False
         self.failure: str | None = None
 
     def children(self) -> list[Child]:
-        return [self.trainer, *self.generators]
+        return [self.trainer, *self.generators, *self.helpers]
 
     def start(self) -> None:
-        self.trainer.start()
-        for g in self.generators:
-            g.start()
+        for c in self.children():
+            c.start()
 
     def check(self) -> bool:
-        """Restart crashed generators; False when the run is over (trainer exited or gave up)."""
+        """Restart a crashed generator or compactor; False when the run is over (trainer exited or gave up)."""
         code = self.trainer.poll()
         if code is not None:
             if code != 0:
@@ -101,7 +105,7 @@ class Supervisor:
                                 f"Continue the run with: asyncgrpo run --resume --run {self.run}")
             return False
         now = time.time()
-        for g in self.generators:
+        for g in [*self.generators, *self.helpers]:
             code = g.poll()
             if code is None or g.next_start > now:
                 continue
@@ -231,7 +235,8 @@ def run_pipeline(run_dir: Path, cfg: Config, *, resume: bool, echo=print) -> dic
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     sup.start()
-    echo(f"started the trainer and {len(sup.generators)} generator(s); logs in {run_dir / 'logs'}")
+    echo(f"started the trainer, {len(sup.generators)} generator(s){' and a compactor' if sup.helpers else ''}; "
+         f"logs in {run_dir / 'logs'}")
     progress = Progress(run_dir, cfg)
     deadline = None if cfg.run.time_limit_s is None else time.time() + cfg.run.time_limit_s
     try:

@@ -92,8 +92,9 @@ def test_lockstep_at_staleness_0_trains_on_fresh_groups_without_crawling(sweep):
     # Steps after the first (which waits for the generator to start) never wait for the 30 s flush timer.
     waits = [x["w"] for x in q(run, 'SELECT "time/wait_s" w FROM metrics WHERE step > 1')]
     assert len(waits) == 2 and max(waits) < 20, waits
-    idle = q(run, "SELECT sum(wait_s) / sum(seconds) idle, count(*) n FROM generator_metrics")[0]
+    idle = q(run, "SELECT sum(wait_s) / sum(seconds) idle, count(*) n, min(rss_mb) rss FROM generator_metrics")[0]
     assert 0 < idle["idle"] < 1 and idle["n"] >= 4   # start-up row + at least one batch a step
+    assert idle["rss"] > 100                         # the generator's resident memory, torch and model loaded
 
 
 def test_rerun_skips_finished_cells(sweep):

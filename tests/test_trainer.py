@@ -82,6 +82,7 @@ def test_metrics_rows_and_on_policy_alignment(tmp_path, model_folder):  # noqa: 
                  "buffer/eligible", "perf/tokens_per_s", "time/wait_s", "time/forward_s", "time/backward_s",
                  "time/publish_s", "time/step_s", "step", "version", "lr", "beta", "grad_norm", "grad/clipped"):
         assert name in rows[0] and rows[0][name] is not None, name
+    assert all(r["memory/rss_mb"] > 100 for r in rows)   # torch and the model are resident
     first = rows[0]
     # Step 1 trains on data its own weights sampled (at temperature 0.7): the trainer's log-probs
     # (logits / temperature, right-padded micro-batches) match the stored behaviour log-probs.

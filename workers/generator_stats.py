@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from workers.proc import rss_mb
+
 STATS_DIR = "generator_metrics"
 
 
@@ -21,7 +23,8 @@ class GeneratorStats:
     wait_s (admission: waiting for the trainer, or in lockstep for the next version;
     batch 0: waiting for v0), reload_s (loading weights), generate_s, score_s (scoring
     and appending), seconds (the whole iteration: wait + reload + generate + score),
-    prompts, groups, filtered, surplus_groups, tokens. Written like every other file:
+    rss_mb (the process's resident memory, workers.proc), prompts, groups, filtered,
+    surplus_groups, tokens. Written like every other file:
     temp name, then rename; the writer id (allocated under the buffer's lock) makes
     the names of each generator process its own. Flushed every `flush_seconds` and on close.
     """
@@ -44,7 +47,7 @@ class GeneratorStats:
         self.rows.append({
             "generator_id": self.generator_id, "writer_id": self.writer_id, "batch": batch, "version": version,
             "started_at": started_at, "wait_s": wait_s, "reload_s": reload_s, "generate_s": generate_s,
-            "score_s": score_s, "seconds": time.time() - started_at,
+            "score_s": score_s, "seconds": time.time() - started_at, "rss_mb": rss_mb(),
             **{k: int(counts.get(k, 0)) for k in self.COLUMNS}})
         self.flush_if_due()
 

@@ -1,7 +1,7 @@
 """The `asyncgrpo` commands, grouped by what they work on; `pipeline.cli` lists them all.
 
     data         sql, status, compact, demo           (a buffer or run directory)
-    daemons      run, generate, train, eval, init-model, warmstart
+    daemons      run, generate, train, compactor, eval, init-model, warmstart
     experiments  config, ablate
     options      what the commands share (CONFIG, --set, logging)
 """

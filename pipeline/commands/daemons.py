@@ -1,4 +1,4 @@
-"""The daemons and the model: run, generate, train, eval, init-model, warmstart.
+"""The daemons and the model: run, generate, train, compactor, eval, init-model, warmstart.
 
 Thin: each command reads its config, calls into pipeline/ or workers/ and prints.
 torch loads when a daemon starts (workers.trainer and buffer name their modules
@@ -21,6 +21,7 @@ from pipeline.config import load_config, load_run_config, with_overrides
 from pipeline.errors import UserError, user_errors
 from pipeline.run import run_pipeline
 from pipeline.rundir import evaluate_folder, prepare_model, read_run_info
+from workers.compactor import run_compactor
 from workers.generator import Admission, run_generator
 from workers.model import init_model, load_tokenizer
 from workers.rewards import Scorer
@@ -139,6 +140,31 @@ def _check_model_matches_buffer(run_dir: Path, model: Path) -> None:
     if row and tok(row[0]["prompt"])["input_ids"] != row[0]["prompt_ids"]:
         raise UserError(f"the buffer in {run_dir} was written with another tokenizer than the model in "
                         f"{model} (prompt {row[0]['prompt']!r} has other token ids); use a new run directory")
+
+
+@click.command()
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@SET_OPT
+@user_errors
+def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
+    """Run the compactor daemon on the run in --run until SIGTERM / SIGINT.
+
+    Every compactor.every_s seconds, merges the buffer's sealed small shards
+    (older than compactor.min_age_s) into c-files, so the number of live files
+    stays bounded however long the run goes; safe beside generators, the
+    trainer and SQL readers. `asyncgrpo run` starts one itself; run this one
+    when the daemons of a run are spread over machines (one per run).
+
+    \b
+    Example:
+      asyncgrpo compactor --run runs/default --set compactor.every_s=60
+    """
+    setup_logging()
+    cfg = run_config(run_dir, overrides)
+    if cfg.compactor.every_s is None:
+        raise UserError("compactor.every_s is none (no compactor); set it, e.g. --set compactor.every_s=30")
+    totals = run_compactor(run_dir, cfg.compactor, every_s=cfg.compactor.every_s)
+    click.echo(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in totals.items()}))
 
 
 @click.command(name="eval")

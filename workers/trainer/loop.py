@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from workers.proc import rss_mb
 from workers.stop import StopFlag
 from workers.trainer.batch import step_batch, table_from_bytes, table_to_bytes
 from workers.trainer.checkpoint import save_checkpoint
@@ -214,7 +215,7 @@ def _row(s: Session, pulled, batch, m: dict, times, *, wait_s: float, pull_s: fl
         "time/wait_s": wait_s, "time/pull_s": pull_s, "time/train_s": train_s, "time/forward_s": times.forward_s,
         "time/backward_s": times.backward_s, "time/optim_s": times.optim_s, "time/publish_s": publish_s,
         "time/publish_background_s": s.publisher.last_seconds,
-        "time/step_s": step_s, "weights/published": int(published),
+        "time/step_s": step_s, "weights/published": int(published), "memory/rss_mb": rss_mb(),
     }
     if s.cfg.kl_control == "adaptive":
         row["kl/beta_next"] = s.kl.beta
