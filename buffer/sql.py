@@ -128,6 +128,12 @@ def _clean(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+def offline_connection() -> duckdb.DuckDBPyConnection:
+    """A fresh in-memory DuckDB connection that never installs or loads an extension (no network)."""
+    return duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
+                                              "autoload_known_extensions": False})
+
+
 class BufferSQL:
     """Read-only DuckDB views over a buffer or run directory; see module doc."""
 
@@ -163,8 +169,7 @@ class BufferSQL:
         gen_metrics = [p for p in metrics if self.generator_metrics_dir is not None
                        and p.parent == self.generator_metrics_dir]
         metrics = [p for p in metrics if p not in gen_metrics]
-        con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
-                                                 "autoload_known_extensions": False})
+        con = offline_connection()
         con.execute("SET allowed_paths = ?", [[str(p) for p in shards + ledger + metrics + gen_metrics]])
         for name, files, schema in (("rollouts", shards, ROLLOUT_SCHEMA), ("consumed", ledger, LEDGER_SCHEMA)):
             if not files:

@@ -35,6 +35,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+import buffer
+
 if TYPE_CHECKING:
     import duckdb
 
@@ -109,10 +111,7 @@ def _print_csv(result: duckdb.DuckDBPyRelation, out) -> None:
     text goes through Arrow (strings, nothing to lose) to a fresh connection
     that writes a temporary file, which is then copied to `out`.
     """
-    import duckdb
-
-    writer = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
-                                                "autoload_known_extensions": False})
+    writer = buffer.offline_connection()
     with tempfile.TemporaryDirectory(prefix="asyncgrpo-csv-") as tmp:
         path = Path(tmp) / "result.csv"
         try:

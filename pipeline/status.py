@@ -64,13 +64,6 @@ class _Groups:
     unreadable: dict[str, str]
 
 
-def _connect() -> duckdb.DuckDBPyConnection:
-    import duckdb
-
-    return duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
-                                              "autoload_known_extensions": False})
-
-
 def _newest_trainer_version(con: duckdb.DuckDBPyConnection, ledger: list[Path]) -> int | None:
     """The newest trainer version in the newest ledger shard; None without a ledger."""
     if not ledger:
@@ -83,7 +76,7 @@ def _read_sql(shards: list[Path], ledger: list[Path]) -> tuple[_Groups, int | No
     """Groups and the newest trainer version, read by DuckDB; None if a file fails or a group is partial."""
     import duckdb
 
-    con = _connect()
+    con = buffer.offline_connection()
     try:
         newest = _newest_trainer_version(con, ledger)
         if not shards:
@@ -113,7 +106,7 @@ def _read_index(root: Path, ledger: list[Path]) -> tuple[_Groups, int | None]:
     index = buffer.GroupIndex(root, quarantine=False)
     groups = _Groups(index.version.view, index.reason.view, index.group_size.view, index.reward_mean.view,
                      index.use_count.view, index.available.view, dict(index.unreadable))
-    con = _connect()
+    con = buffer.offline_connection()
     try:
         return groups, _newest_trainer_version(con, ledger)
     finally:

@@ -58,16 +58,17 @@ class CompactorConfig:
         require(self, "target_groups", is_int(self.target_groups, 2), "an integer >= 2")
 
 
-def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, *, every_s: float,
-                  stop: StopFlag | None = None) -> dict:
-    """Compact <run_dir>/buffer every `every_s` seconds until stopped; returns the totals."""
+def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFlag | None = None) -> dict:
+    """Compact <run_dir>/buffer every `cfg.every_s` seconds until stopped; returns the totals."""
+    if cfg.every_s is None:
+        raise ValueError("CompactorConfig.every_s is None: this run has no compactor")
     if stop is None:
         with StopFlag() as own:
-            return run_compactor(run_dir, cfg, every_s=every_s, stop=own)
+            return run_compactor(run_dir, cfg, own)
     root = Path(run_dir) / "buffer"
     totals = {"passes": 0, "merged_files": 0, "written_files": 0, "deleted_files": 0, "groups": 0,
               "quarantined": 0, "seconds": 0.0}
-    log.info("compacting %s every %.0f s (shards older than %.0f s, %d groups a c-file)", root, every_s,
+    log.info("compacting %s every %.0f s (shards older than %.0f s, %d groups a c-file)", root, cfg.every_s,
              cfg.min_age_s, cfg.target_groups)
     while not stop:
         if buffer.BufferDir.is_buffer(root):    # the first generator flush creates it
@@ -83,5 +84,5 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, *, every_s: 
                 log.info("merged %d shards (%d groups) into %d, deleted %d replaced, quarantined %d in %.2f s; "
                          "%d live shards", r.merged_files, r.groups, r.written_files, r.deleted_files,
                          r.quarantined, took, len(buffer.BufferDir(root).live_shards()))
-        stop.wait(every_s)
+        stop.wait(cfg.every_s)
     return totals

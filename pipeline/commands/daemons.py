@@ -163,7 +163,7 @@ def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
     cfg = run_config(run_dir, overrides)
     if cfg.compactor.every_s is None:
         raise UserError("compactor.every_s is none (no compactor); set it, e.g. --set compactor.every_s=30")
-    totals = run_compactor(run_dir, cfg.compactor, every_s=cfg.compactor.every_s)
+    totals = run_compactor(run_dir, cfg.compactor)
     click.echo(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in totals.items()}))
 
 
