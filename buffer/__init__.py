@@ -11,7 +11,7 @@ does not load pyarrow and DuckDB.
 from importlib import import_module
 
 _WHERE = {
-    **dict.fromkeys(["CompactionReport", "compact"], "buffer.compaction"),
+    **dict.fromkeys(["CompactionReport", "compact", "compact_ledger", "compact_small"], "buffer.compaction"),
     **dict.fromkeys(["Completion", "Group", "STD_MODES", "StdMode", "filter_reason", "group_reward_stats"],
                     "buffer.groups"),
     **dict.fromkeys(["STATE_NAMES", "GroupIndex", "admission_limit", "group_states", "reason_codes", "state_counts"],

@@ -1,31 +1,50 @@
-"""Merging sealed small shards into large ones, without disturbing concurrent readers.
+"""Merging sealed small files into large ones, without disturbing concurrent readers.
 
-DuckDB pays about 0.25 ms per file per query, so thousands of small flush
-shards make every query slow. Compaction, under the buffer lock:
+DuckDB pays about 0.25 ms per file per query, so thousands of small files make
+every query slow. Four kinds of file grow with a run, each a `FileSet` (see
+buffer/fileset.py for the manifest protocol that keeps readers exact):
 
-1. picks live shards older than `min_age_s` (sealed: their writers are long done
-   with them) and smaller than `target_groups`, oldest first;
-2. writes each batch of them as one c-file, keeping the sources' row groups
-   (each holds whole groups), so a pull still reads only the row groups it
-   needs; the c-file is invisible until step 3;
-3. replaces the manifest: the c-file becomes live and its sources replaced, in
-   one atomic rename;
+    rollout shards     <buffer>/shards/    compact(): c-files of about `target_groups` groups
+    ledger records     <buffer>/ledger/    compact_ledger(): one file per pull -> c-files of about
+                                            `target_rows` records, in step order
+    trainer metrics    <run>/metrics/      compact_small(run_metrics_set(run), ...)
+    generator metrics  <run>/generator_metrics/
+
+Each pass, under the set's lock:
+
+1. picks live files older than `min_age_s` (sealed) and smaller than the target,
+   oldest first;
+2. writes each batch of them as one c-file (rollout shards keep their sources'
+   row groups, each holding whole groups, so a pull still reads only the row
+   groups it needs); the c-file is invisible until step 3; its footer names
+   its sources and their rows;
+3. replaces the manifest: the c-files become live and their sources replaced,
+   in one atomic rename;
 4. deletes files replaced more than `grace_s` ago, then drops them from the
    manifest. A reader that listed a file before step 3 can still read it for
    `grace_s` seconds.
+
+A kill -9 anywhere leaves the set as it was before the pass or after it (at
+worst a temp file, cleaned later, or a replaced file already deleted but still
+in the manifest, which step 4 drops on the next pass).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from buffer.layout import BufferDir, atomic_file
+from buffer.fileset import SOURCES_KEY, FileSet
+from buffer.layout import BufferDir, atomic_file, ledger_range
 from buffer.schema import parquet_write_options
+
+LEDGER_TARGET_ROWS = 262_144   # ledger records per merged ledger file (one per group pulled)
 
 
 @dataclass
@@ -33,20 +52,20 @@ class CompactionReport:
     merged_files: int = 0
     written_files: int = 0
     deleted_files: int = 0
-    groups: int = 0
+    groups: int = 0        # rollout groups (compact) or rows (the other sets) in the written files
     quarantined: int = 0
 
 
 def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: float = 60.0,
             grace_s: float = 300.0, min_files: int = 2) -> CompactionReport:
-    """Merge sealed small shards into c-files of about `target_groups` groups; see module doc."""
+    """Merge sealed small rollout shards into c-files of about `target_groups` groups; see module doc."""
     d = BufferDir(root)
+    fs = d.shard_set
     report = CompactionReport()
     with d.lock:
-        manifest = d.read_manifest()
         now = time.time()
         candidates: list[tuple[Path, int]] = []
-        for p in d.live_shards():
+        for p in fs.live():
             try:
                 if now - p.stat().st_mtime < min_age_s:
                     continue
@@ -60,49 +79,92 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
                 continue
             if groups < target_groups:
                 candidates.append((p, groups))
-        batches, cur, cur_groups = [], [], 0
-        for p, g in candidates:
-            if cur and cur_groups + g > target_groups:
-                batches.append(cur)
-                cur, cur_groups = [], 0
-            cur.append(p)
-            cur_groups += g
-        if cur:
-            batches.append(cur)
-        batches = [b for b in batches if len(b) >= min_files]
-
-        compacted, replaced = list(manifest.compacted), dict(manifest.replaced)
-        generation = manifest.generation + 1
+        batches = [b for b in _batches(candidates, target_groups) if len(b) >= min_files]
+        generation = fs.read_manifest().generation + 1
+        new, sources = [], []
         for i, batch in enumerate(batches):
             out_name = f"c-{generation:06d}-{i:04d}.parquet"
-            groups = _merge(d, batch, out_name)
+            groups = _merge_shards(d, batch, out_name)
             if groups is None:
                 continue
-            compacted.append(out_name)
-            for p in batch:
-                replaced[p.name] = now
-                if p.name in compacted:
-                    compacted.remove(p.name)
+            new.append(out_name)
+            sources += [p.name for p in batch]
             report.merged_files += len(batch)
             report.written_files += 1
             report.groups += groups
-        if report.written_files:
-            manifest = replace(manifest, generation=generation, compacted=tuple(compacted),
-                               replaced=replaced)
-            d.write_manifest(manifest)
-
-        # Deletion after the grace period, then (only then) out of the manifest.
-        expired = [name for name, t in manifest.replaced.items() if now - t >= grace_s]
-        for name in expired:
-            try:
-                os.unlink(d.shards / name)
-            except FileNotFoundError:
-                pass
-            report.deleted_files += 1
-        if expired:
-            d.write_manifest(replace(manifest, replaced={k: v for k, v in manifest.replaced.items()
-                                                         if k not in expired}))
+        if new:
+            fs.swap(fs.read_manifest(), new, sources, now)
+        report.deleted_files = fs.delete_expired(grace_s, now)
     return report
+
+
+def compact_ledger(root: str | os.PathLike, *, target_rows: int = LEDGER_TARGET_ROWS, min_age_s: float = 60.0,
+                   grace_s: float = 300.0, min_files: int = 2) -> CompactionReport:
+    """Merge sealed ledger files (one per pull) into 'step-<first>-c<gen>-<last>.parquet', in step order.
+
+    Never waits on the trainer and never makes it wait: the trainer writes new
+    ledger files without the lock; a resume "as of step k" (buffer.Sampler)
+    takes the lock to cut merged files at k.
+    """
+    d = BufferDir(root)
+    return compact_small(d.ledger_set, target_rows=target_rows, min_age_s=min_age_s, grace_s=grace_s,
+                         min_files=min_files, order=ledger_range)
+
+
+def compact_small(fs: FileSet, *, target_rows: int, min_age_s: float, grace_s: float, min_files: int = 2,
+                  order: Callable[[str], object] | None = None, sort_by: str | None = None) -> CompactionReport:
+    """Merge sealed small files of a set whose files are small tables (ledger, metrics); c-files named by fs.c_name.
+
+    order(name) -> the sort key of files (default: the name); sort_by: a column whose
+    first value orders the sources inside a c-file.
+    """
+    report = CompactionReport()
+    if not fs.folder.is_dir():
+        return report
+    with fs.lock:
+        now = time.time()
+        candidates: list[tuple[Path, int]] = []
+        for p in fs.live():
+            try:
+                if now - p.stat().st_mtime < min_age_s:
+                    continue
+                rows = pq.read_metadata(p).num_rows
+            except FileNotFoundError:
+                continue
+            if rows < target_rows:
+                candidates.append((p, rows))
+        if order is not None:
+            candidates.sort(key=lambda pr: order(pr[0].name))
+        batches = [b for b in _batches(candidates, target_rows) if len(b) >= min_files]
+        manifest = fs.read_manifest()
+        generation = manifest.generation + 1
+        new, sources = [], []
+        for i, batch in enumerate(batches):
+            names = [p.name for p in batch]
+            out_name = fs.c_name(generation, i, names)
+            report.groups += fs.merge_tables(names, out_name, sort_by=sort_by)
+            new.append(out_name)
+            sources += names
+            report.merged_files += len(batch)
+            report.written_files += 1
+        if new:
+            fs.swap(manifest, new, sources, now)
+        report.deleted_files = fs.delete_expired(grace_s, now)
+    return report
+
+
+def _batches(candidates: list[tuple[Path, int]], target: int) -> list[list[Path]]:
+    """Consecutive runs of candidates, each of at most `target` (groups or rows) unless a single file."""
+    batches, cur, cur_n = [], [], 0
+    for p, n in candidates:
+        if cur and cur_n + n > target:
+            batches.append(cur)
+            cur, cur_n = [], 0
+        cur.append(p)
+        cur_n += n
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 def _group_count(meta: pq.FileMetaData) -> int:
@@ -113,10 +175,11 @@ def _group_count(meta: pq.FileMetaData) -> int:
     return meta.num_rows  # an upper bound; fine for choosing what is small
 
 
-def _merge(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
+def _merge_shards(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
     """Write the shards in `batch` as one file (temp + rename); its group count, or None."""
     groups = 0
     writer = None
+    sources = []
     try:
         with atomic_file(d.tmp, d.shards / out_name) as f:
             for p in batch:
@@ -128,6 +191,7 @@ def _merge(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
                     if writer is not None:
                         writer.close()
                     raise _Abort from e
+                sources.append([p.name, sum(t.num_rows for t in parts)])
                 for t in parts:  # the source's row groups as they were: they hold whole groups
                     if writer is None:
                         writer = pq.ParquetWriter(f, t.schema.remove_metadata(), **parquet_write_options())
@@ -135,7 +199,8 @@ def _merge(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
                     groups += len(set(t.column("group_id").to_pylist()))
             if writer is None:   # sources without rows: nothing to merge
                 raise _Abort
-            writer.add_key_value_metadata({"asyncgrpo.groups": str(groups)})
+            writer.add_key_value_metadata({"asyncgrpo.groups": str(groups),
+                                           SOURCES_KEY.decode(): json.dumps(sources)})
             writer.close()
     except _Abort:  # atomic_file removed the temp file; nothing became visible
         return None

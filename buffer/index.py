@@ -1,10 +1,19 @@
 """An in-memory index of every group in a buffer and how often it was consumed.
 
 The index reads only small scalar columns of each shard, once (shards never
-change), and each ledger shard once; `refresh` picks up what appeared since the
+change), and each ledger file once; `refresh` picks up what appeared since the
 last call and follows compaction (a group that moved to a c-file keeps its
-state). It gives group states and counts without scanning token columns, so a
+state; a merged ledger file counts only the records of sources not read
+before). It gives group states and counts without scanning token columns, so a
 pull costs the same at 10,000 groups as at 100,000.
+
+Bounded memory (`retire=True`, what the daemons use): filtered groups and
+groups consumed `reuse` times can never be pulled again, so their rows are
+dropped from the arrays and only counted (per version and state, and per
+filter reason). A c-file that holds a dropped group is recognised by its
+footer's sources (buffer/fileset.py): a group from a source this index read
+before, and no longer holds, was dropped, not new. The index then holds the
+groups that may still be pulled, whatever the length of the run.
 
 States of a group for a trainer at version t with limit max_staleness (None =
 unlimited) and a reuse count R (times a group may be trained on):
@@ -29,17 +38,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from buffer.layout import BufferDir
+from buffer.fileset import read_sources
+from buffer.layout import BufferDir, is_ledger_c_name, ledger_range
 from buffer.schema import FILTER_REASONS, INDEX_COLUMNS, staleness
 
 ELIGIBLE, CONSUMED, FILTERED, EXPIRED, FUTURE, UNAVAILABLE = range(6)
 STATE_NAMES = ("eligible", "consumed", "filtered", "expired", "future", "unavailable")
 _REASON_CODE = {r: i + 1 for i, r in enumerate(FILTER_REASONS)}  # 0: not filtered
-
-
-def ledger_step(path: Path) -> int:
-    """Trainer step encoded in a ledger shard name 'step-000000012-0000.parquet'."""
-    return int(path.name.split("-")[1])
 
 
 def admission_limit(trainer_version: int, max_staleness: int | None, groups_per_step: int) -> int | None:
@@ -78,14 +83,29 @@ class _Grow:
     def view(self) -> np.ndarray:
         return self.data[: self.n]
 
+    def keep(self, mask: np.ndarray) -> None:
+        """Drop the rows where `mask` (shape (n,)) is False, shrinking the storage with them."""
+        kept = self.view[mask]
+        self.data = np.zeros(max(1024, 2 * len(kept)), dtype=self.data.dtype)
+        self.data[: len(kept)] = kept
+        self.n = len(kept)
+
 
 class GroupIndex:
     """Groups, their location and consumption; refreshed incrementally from the files."""
 
-    def __init__(self, root: str | os.PathLike, *, as_of_step: int | None = None, quarantine: bool = True):
+    DROP_AT = 4096   # retire=True: drop retired rows once at least this many (and half the rows) are retired
+
+    def __init__(self, root: str | os.PathLike, *, as_of_step: int | None = None, quarantine: bool = True,
+                 retire: bool = False, reuse: int = 1):
         self.dir = BufferDir(root)
         self.as_of_step = as_of_step
         self.quarantine = quarantine
+        self.retire, self.reuse = retire, reuse
+        self.retired = 0                      # groups dropped from the arrays (retire=True)
+        self._retired_states = np.zeros((0, len(STATE_NAMES)), np.int64)   # (max version + 1, states)
+        self._retired_reasons = np.zeros(len(FILTER_REASONS) + 1, np.int64)
+        self._refreshes = 0
         self.group_ids: list[str] = []
         self.id_to_idx: dict[str, int] = {}
         self.version = _Grow.of(np.int64)
@@ -101,17 +121,19 @@ class GroupIndex:
         self.files: list[Path] = []           # file_idx -> path
         self._file_of: dict[str, int] = {}    # live file name -> file_idx
         self._ledger_seen: set[str] = set()
-        self._early_uses: dict[str, int] = {}  # ledger ids whose shard is not indexed (quarantined)
+        self._early_uses: dict[str, list[int]] = {}  # ledger ids whose shard is not indexed: [uses, refresh]
         self.unreadable: dict[str, str] = {}  # shards skipped (quarantine=False): name -> reason
         self.quarantined_now: list[tuple[str, str]] = []
         self.refresh()
 
     def __len__(self) -> int:
+        """Groups held in the arrays (with retire=True, not those dropped: see `retired`)."""
         return len(self.group_ids)
 
     # -- refresh -----------------------------------------------------------------
     def refresh(self) -> None:
         """Index shards and ledger records that appeared; follow files that went away."""
+        self._refreshes += 1
         live_names = self.dir.live_shard_names()
         for name in live_names:
             if name not in self._file_of and name not in self.unreadable:
@@ -122,14 +144,50 @@ class GroupIndex:
             fidx = self._file_of.pop(name)
             lost = self.file_idx.view == fidx
             self.available.view[lost] = False
-        for name in self.dir.ledger_shard_names():
-            if name in self._ledger_seen:
-                continue
-            p = self.dir.ledger / name
-            if self.as_of_step is not None and ledger_step(p) > self.as_of_step:
-                continue
+        ledger_names = self.dir.ledger_shard_names()
+        for name in ledger_names:
+            if name not in self._ledger_seen:
+                self._read_ledger(name)
+        # Sources of merged ledger files are never listed again: forget them (bounded).
+        self._ledger_seen.intersection_update(ledger_names)
+        if self.retire:
+            self._drop_retired()
+            old = self._refreshes - 3   # a record that raced its shard's listing is matched by now
+            for gid in [g for g, (_, r) in self._early_uses.items() if r < old]:
+                del self._early_uses[gid]
+
+    def _read_ledger(self, name: str) -> None:
+        """Count the uses in one ledger file (as of `as_of_step`); in a merged one, only sources not read."""
+        first, last = ledger_range(name)
+        if self.as_of_step is not None and first > self.as_of_step:
+            return
+        p = self.dir.ledger / name
+        if not is_ledger_c_name(name) and (self.as_of_step is None or last <= self.as_of_step):
+            try:
+                ids = pq.read_table(p, columns=["group_id"]).column(0).to_pylist()
+            except FileNotFoundError:
+                return   # merged meanwhile: the merged file is listed next time
             self._ledger_seen.add(name)
-            self.add_uses(pq.read_table(p, columns=["group_id"]).column(0).to_pylist())
+            self.add_uses(ids)
+            return
+        try:
+            pf = pq.ParquetFile(p)
+            t = pf.read(columns=["group_id", "trainer_step"])
+        except FileNotFoundError:
+            return
+        keep = np.ones(t.num_rows, dtype=np.bool_)
+        sources = read_sources(pf.metadata)
+        if sources is not None:
+            at = 0
+            for src, rows in sources:
+                if src in self._ledger_seen:
+                    keep[at: at + rows] = False
+                at += rows
+        if self.as_of_step is not None:
+            keep &= t.column("trainer_step").to_numpy() <= self.as_of_step
+        self._ledger_seen.add(name)
+        ids = t.column("group_id").to_pylist()
+        self.add_uses([g for g, k in zip(ids, keep.tolist()) if k])
 
     def mark_ledger_seen(self, name: str) -> None:
         """A ledger shard whose uses the caller has already counted (the sampler's own)."""
@@ -139,7 +197,8 @@ class GroupIndex:
         for gid in group_ids:
             idx = self.id_to_idx.get(gid)
             if idx is None:
-                self._early_uses[gid] = self._early_uses.get(gid, 0) + 1
+                early = self._early_uses.setdefault(gid, [0, self._refreshes])
+                early[0] += 1
             else:
                 self.use_count.view[idx] += 1
 
@@ -196,7 +255,9 @@ class GroupIndex:
         versions = col["version"].to_numpy()[first]
         created = col["created_at"].cast(pa.int64()).to_numpy()[first]
         means = col["group_reward_mean"].to_numpy()[first]
-        new = [i for i, g in enumerate(uniq) if g not in self.id_to_idx]
+        known = self._known_source_rows(pf.metadata, len(codes))   # rows from shards read before, or None
+        new = [i for i, g in enumerate(uniq) if g not in self.id_to_idx
+               and not (known is not None and known[first[i]])]    # else: retired (dropped) earlier
         moved = [i for i, g in enumerate(uniq) if g in self.id_to_idx]
         for i in moved:  # compaction: same group, new home
             idx = self.id_to_idx[uniq[i]]
@@ -215,11 +276,51 @@ class GroupIndex:
             self.created_us.extend(created[sel])
             self.group_size.extend(sizes[sel])
             self.reward_mean.extend(means[sel])
-            self.use_count.extend(np.array([self._early_uses.pop(uniq[i], 0) for i in new], np.int32))
+            self.use_count.extend(np.array([self._early_uses.pop(uniq[i], (0,))[0] for i in new], np.int32))
             self.available.extend(np.ones(len(new), np.bool_))
             self.file_idx.extend(np.full(len(new), fidx, np.int32))
             self.row_group.extend(rgs[sel])
             self.row_start.extend(starts[sel])
+
+    def _known_source_rows(self, meta: pq.FileMetaData, num_rows: int) -> np.ndarray | None:
+        """(rows,) bool: the row came from a shard this index read before (a c-file's sources); None: none did."""
+        sources = read_sources(meta)
+        if not sources or not self.retired:
+            return None
+        known = np.zeros(num_rows, dtype=np.bool_)
+        at = 0
+        for src, rows in sources:
+            if src in self._file_of:
+                known[at: at + rows] = True
+            at += rows
+        return known if known.any() else None
+
+    # -- bounded memory ------------------------------------------------------------
+    def _drop_retired(self) -> None:
+        """Drop filtered groups and those consumed `reuse` times, counting them, once they are many."""
+        dead = (self.reason.view > 0) | (self.use_count.view >= self.reuse)
+        n_dead = int(dead.sum())
+        if n_dead < max(self.DROP_AT, len(self.group_ids) // 2):
+            return   # amortised: each drop costs O(groups held)
+        version = self.version.view[dead]
+        if len(version) and version.min() < 0:
+            return   # versions are >= 0; never drop what could not be counted
+        reason = self.reason.view[dead]
+        state = np.where(reason > 0, FILTERED, CONSUMED)
+        top = int(version.max()) + 1
+        if top > len(self._retired_states):
+            grown = np.zeros((max(top, 2 * len(self._retired_states)), len(STATE_NAMES)), np.int64)
+            grown[: len(self._retired_states)] = self._retired_states
+            self._retired_states = grown
+        np.add.at(self._retired_states, (version, state), 1)
+        self._retired_reasons += np.bincount(reason, minlength=len(self._retired_reasons))
+        self.retired += n_dead
+        keep = ~dead
+        for col in (self.version, self.reason, self.created_us, self.group_size, self.reward_mean, self.use_count,
+                    self.available, self.file_idx, self.row_group, self.row_start):
+            col.keep(keep)
+        self.group_ids = [g for g, k in zip(self.group_ids, keep.tolist()) if k]
+        self.id_to_idx = {g: i for i, g in enumerate(self.group_ids)}
 
     # -- states and counts -------------------------------------------------------
     def states(self, trainer_version: int, max_staleness: int | None, reuse: int = 1) -> np.ndarray:
@@ -227,10 +328,32 @@ class GroupIndex:
         return group_states(self.version.view, self.reason.view, self.use_count.view, self.available.view,
                             trainer_version, max_staleness, reuse)
 
-    def counts(self, trainer_version: int, max_staleness: int | None, reuse: int = 1) -> dict:
-        """Groups per state, filtered per reason, and states per version."""
-        return state_counts(self.states(trainer_version, max_staleness, reuse), self.reason.view,
-                            self.version.view)
+    def counts(self, trainer_version: int, max_staleness: int | None, reuse: int = 1, *,
+               by_version: bool = True) -> dict:
+        """Groups per state, filtered per reason, and (with `by_version`) states per version.
+
+        Retired groups (retire=True) count too: as filtered or consumed, at their version.
+        """
+        out = state_counts(self.states(trainer_version, max_staleness, reuse), self.reason.view,
+                           self.version.view, by_version=by_version)
+        if not self.retired:
+            return out
+        per_state = self._retired_states.sum(axis=0)
+        out["groups"] += self.retired
+        for i, name in enumerate(STATE_NAMES):
+            out[name] += int(per_state[i])
+        for r, c in _REASON_CODE.items():
+            out["filtered_by_reason"][r] += int(self._retired_reasons[c])
+        out["admitted"] = out["groups"] - out["filtered"]
+        if by_version:
+            bv = out["by_version"]
+            for v in np.flatnonzero(self._retired_states.any(axis=1)).tolist():
+                row = bv.setdefault(v, {})
+                for i, name in enumerate(STATE_NAMES):
+                    if self._retired_states[v, i]:
+                        row[name] = row.get(name, 0) + int(self._retired_states[v, i])
+            out["by_version"] = dict(sorted(bv.items()))
+        return out
 
 
 def reason_codes(filter_reasons: list[str | None], filtered: np.ndarray) -> np.ndarray:
@@ -260,7 +383,7 @@ def group_states(version: np.ndarray, reason: np.ndarray, use_count: np.ndarray,
     return s
 
 
-def state_counts(states: np.ndarray, reason: np.ndarray, version: np.ndarray) -> dict:
+def state_counts(states: np.ndarray, reason: np.ndarray, version: np.ndarray, *, by_version: bool = True) -> dict:
     """Groups per state, filtered per reason, admitted, and states per version (nonzero ones only).
 
     states, reason, version: per group, shape (N,).
@@ -270,6 +393,8 @@ def state_counts(states: np.ndarray, reason: np.ndarray, version: np.ndarray) ->
     out = {"groups": len(states), **{name: int(per_state[i]) for i, name in enumerate(STATE_NAMES)}}
     out["filtered_by_reason"] = {r: int(reasons[c]) for r, c in _REASON_CODE.items()}
     out["admitted"] = int(len(states) - per_state[FILTERED])
+    if not by_version:
+        return out
     versions, at = np.unique(version, return_inverse=True)
     table = np.bincount(at * len(STATE_NAMES) + states, minlength=len(versions) * len(STATE_NAMES))
     table = table.reshape(len(versions), len(STATE_NAMES))  # (versions, states)

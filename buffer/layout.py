@@ -1,120 +1,101 @@
-"""The buffer directory: its folders, the lock, writer ids, the manifest, quarantine.
+"""The buffer directory: its folders, the lock, writer ids, the manifests, quarantine.
 
 ```
 <buffer>/
   shards/         rollout shards, write-once (w-*.parquet from writers, c-*.parquet from compaction)
   ledger/         consumption records, write-once, written by the trainer only
+                  (step-<step>-<seq>.parquet per pull, step-<first>-c<gen>-<last>.parquet merged)
+  ledger/manifest.json  the ledger's compaction state
   ledger/abandoned/  ledger shards of steps undone by a resume "as of step k"
   quarantine/     shards that failed to read, moved aside, each with <name>.reason.json
   tmp/            in-flight writes; ignored by readers, cleaned on open
   writers/        one small JSON file per allocated writer id
-  manifest.json   compaction state: which c-files are live, which files are replaced
+  manifest.json   the shards' compaction state: which c-files are live, which files are replaced
   buffer.lock     filelock for compaction, quarantine and allocating writer ids
 ```
 
-Live shards, as every reader sees them: read the manifest, then list `shards/`;
-a w-file is live unless the manifest lists it as replaced, a c-file is live only
-once the manifest lists it. Compaction writes its c-file first, then replaces
-the manifest, and deletes replaced files only after a grace period, removing
-them from the manifest after deletion. In that order a reader never counts a
-row twice and never misses one.
+Shards and ledger files are each a `buffer.fileset.FileSet`: readers list the
+live files through its manifest, so compaction never makes a reader count a
+row twice or miss one (see buffer/fileset.py).
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import socket
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from filelock import FileLock
 
+from buffer.atomic import (  # noqa: F401 - re-exported: the buffer's errors and atomic writes live here for callers
+    BufferError,
+    StorageError,
+    atomic_file,
+    atomic_write_bytes,
+    clean_tmp_dir,
+    tmp_name,
+)
+from buffer.fileset import FileSet, Manifest  # noqa: F401 - Manifest re-exported
+
 SHARD_SUFFIX = ".parquet"
-TMP_MAX_AGE_S = 3600.0  # a tmp file this old is abandoned even if its owner's pid exists
 
 
-class BufferError(Exception):
-    """A problem with a buffer a user can act on; the message says what and where."""
+def is_ledger_name(name: str) -> bool:
+    return name.startswith("step-") and name.endswith(SHARD_SUFFIX)
 
 
-_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
+def is_ledger_c_name(name: str) -> bool:
+    """A merged ledger file: 'step-<first>-c<generation>-<last>.parquet'."""
+    parts = name.split("-")
+    return len(parts) == 4 and parts[2].startswith("c")
 
 
-class StorageError(BufferError, OSError):
-    """A file could not be written: disk full, file-size limit, read-only filesystem, no permission.
+def ledger_range(name: str) -> tuple[int, int]:
+    """(first, last) trainer step of a ledger file, from its name."""
+    parts = name.removesuffix(SHARD_SUFFIX).split("-")
+    first = int(parts[1])
+    return (first, int(parts[3])) if len(parts) == 4 and parts[2].startswith("c") else (first, first)
 
-    Still an OSError (errno and filename kept), and a user error: the message names
-    the file and what to do. What was published before stays as it was.
+
+def ledger_c_name(generation: int, i: int, names: list[str]) -> str:
+    """The name of a ledger file merged from `names`: 'step-<first>-c<generation><i>-<last>.parquet'."""
+    ranges = [ledger_range(n) for n in names]
+    first, last = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    return f"step-{first:09d}-c{generation:06d}{i:02d}-{last:09d}.parquet"
+
+
+def metrics_c_name(generation: int, i: int, names: list[str]) -> str:
+    """The name of a metrics file merged from `names`: 'steps-<first>-<last>-c<generation><i>.parquet'."""
+    steps = [int(x) for n in names for x in n.removesuffix(SHARD_SUFFIX).split("-")[1:3]]
+    return f"steps-{min(steps):09d}-{max(steps):09d}-c{generation:06d}{i:02d}.parquet"
+
+
+def _is_metrics_name(name: str) -> bool:
+    return name.startswith("steps-") and name.endswith(SHARD_SUFFIX)
+
+
+def _is_metrics_c_name(name: str) -> bool:
+    """A merged metrics file: 'steps-<first>-<last>-c<generation>.parquet'."""
+    parts = name.removesuffix(SHARD_SUFFIX).split("-")
+    return len(parts) == 4 and parts[3].startswith("c")
+
+
+def run_file_set(folder: str | os.PathLike, kind: str) -> FileSet:
+    """The trainer's metrics (kind "metrics": <run>/metrics) or the generators' ("generator_metrics").
+
+    Each folder has its own manifest.json, compaction.lock and tmp/.
     """
-
-    def __init__(self, path: str | os.PathLike, cause: OSError):
-        super().__init__(cause.errno, cause.strerror or str(cause), str(path))
-
-    def __str__(self) -> str:
-        if self.errno in _FULL:
-            todo = "free disk space (or raise the file-size limit), then start the daemon again"
-        elif self.errno in _READ_ONLY:
-            todo = "the directory is read-only or not writable by this user; make it writable or use another"
-        else:
-            todo = "check the filesystem, then start the daemon again"
-        return (f"cannot write {self.filename}: {self.strerror} [{errno.errorcode.get(self.errno, self.errno)}]; "
-                f"{todo}; files written before are intact")
-
-
-@contextmanager
-def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[BinaryIO]:
-    """A binary file that appears at `final` only when the block succeeds.
-
-    Written under a temp name in `tmp_dir`, fsynced, then renamed; if the block
-    raises, the temp file is removed and `final` is untouched. An OSError (disk
-    full, read-only) comes out as a StorageError naming `final`.
-    """
-    tmp = tmp_dir / tmp_name(final.name)
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # a read-only directory: there is no temp file either
-        if isinstance(e, OSError) and not isinstance(e, StorageError) and e.errno is not None:
-            raise StorageError(final, e) from e
-        raise
-
-
-def atomic_write_bytes(tmp_dir: Path, final: Path, data: bytes) -> None:
-    """Write `data` to `final` through a temp file in `tmp_dir` and an atomic rename."""
-    with atomic_file(tmp_dir, final) as f:
-        f.write(data)
-
-
-def tmp_name(final_name: str) -> str:
-    """'host%pid%random%<final name>.tmp': lets `clean_tmp` tell whose temp file this is."""
-    return f"{socket.gethostname()}%{os.getpid()}%{uuid.uuid4().hex[:8]}%{final_name}.tmp"
-
-
-@dataclass(frozen=True)
-class Manifest:
-    generation: int
-    compacted: tuple[str, ...]           # live c-files
-    replaced: dict[str, float]           # file name -> time it was replaced (to delete after grace)
-
-    @staticmethod
-    def empty() -> "Manifest":
-        return Manifest(0, (), {})
+    folder = Path(folder)
+    if kind == "metrics":
+        member, compacted, c_name = _is_metrics_name, _is_metrics_c_name, metrics_c_name
+    elif kind == "generator_metrics":
+        member, compacted, c_name = (lambda n: n.endswith(SHARD_SUFFIX)), (lambda n: n.startswith("c-")), None
+    else:
+        raise ValueError(f"unknown kind of run files {kind!r}: 'metrics' or 'generator_metrics'")
+    return FileSet(folder, folder / "manifest.json", FileLock(str(folder / "compaction.lock")), folder / "tmp",
+                   is_member=member, is_compacted=compacted, c_name=c_name)
 
 
 class BufferDir:
@@ -138,6 +119,10 @@ class BufferDir:
             for d in (self.shards, self.ledger, self.abandoned, self.quarantine_dir, self.tmp, self.writers):
                 d.mkdir(parents=True, exist_ok=True)
         self.lock = FileLock(str(self.root / "buffer.lock"))
+        self.shard_set = FileSet(self.shards, self.manifest_path, self.lock, self.tmp,
+                                 is_member=lambda n: n.endswith(SHARD_SUFFIX), is_compacted=lambda n: n.startswith("c-"))
+        self.ledger_set = FileSet(self.ledger, self.ledger / "manifest.json", self.lock, self.tmp,
+                                  is_member=is_ledger_name, is_compacted=is_ledger_c_name, c_name=ledger_c_name)
 
     @staticmethod
     def is_buffer(path: Path) -> bool:
@@ -154,46 +139,28 @@ class BufferDir:
             atomic_write_bytes(self.tmp, self.writers / f"{writer_id}.json", json.dumps(info).encode())
         return writer_id
 
-    # -- manifest ----------------------------------------------------------------
+    # -- the file sets ---------------------------------------------------------------
     def read_manifest(self) -> Manifest:
-        try:
-            raw = json.loads(self.manifest_path.read_text())
-        except FileNotFoundError:
-            return Manifest.empty()
-        except (OSError, ValueError) as e:
-            raise BufferError(f"unreadable manifest {self.manifest_path}: {e}") from e
-        return Manifest(int(raw["generation"]), tuple(raw["compacted"]),
-                        {k: float(v) for k, v in raw["replaced"].items()})
+        return self.shard_set.read_manifest()
 
     def write_manifest(self, m: Manifest) -> None:
-        """Replace the manifest atomically; the caller holds the lock."""
-        raw = {"generation": m.generation, "compacted": list(m.compacted), "replaced": m.replaced}
-        atomic_write_bytes(self.tmp, self.manifest_path, json.dumps(raw, indent=1).encode())
+        """Replace the shards' manifest atomically; the caller holds the lock."""
+        self.shard_set.write_manifest(m)
 
     def live_shard_names(self) -> list[str]:
         """File names of the live rollout shards, sorted (writer id, then sequence)."""
-        manifest = self.read_manifest()  # first the manifest, then the listing: see module doc
-        compacted = set(manifest.compacted)
-        live = []
-        for name in os.listdir(self.shards):
-            if not name.endswith(SHARD_SUFFIX) or name in manifest.replaced:
-                continue
-            if name.startswith("c-") and name not in compacted:
-                continue
-            live.append(name)
-        live.sort()
-        return live
+        return self.shard_set.live_names()
 
     def live_shards(self) -> list[Path]:
         """The live rollout shards, sorted by name."""
-        return [self.shards / name for name in self.live_shard_names()]
+        return self.shard_set.live()
 
     def ledger_shard_names(self) -> list[str]:
-        """File names of the ledger shards ('step-<step>-<seq>.parquet'), sorted by step."""
-        return sorted(n for n in os.listdir(self.ledger) if n.startswith("step-") and n.endswith(SHARD_SUFFIX))
+        """File names of the live ledger files, sorted by (first) step."""
+        return self.ledger_set.live_names()
 
     def ledger_shards(self) -> list[Path]:
-        return [self.ledger / name for name in self.ledger_shard_names()]
+        return self.ledger_set.live()
 
     # -- quarantine --------------------------------------------------------------
     def quarantine(self, shard: Path, reason: str) -> Path | None:
@@ -221,28 +188,7 @@ class BufferDir:
     # -- tmp ---------------------------------------------------------------------
     def clean_tmp(self) -> int:
         """Remove temp files whose writer is gone (dead pid on this host, or very old)."""
-        removed, host, now = 0, socket.gethostname(), time.time()
-        for p in self.tmp.iterdir():
-            parts = p.name.split("%", 3)
-            dead = (len(parts) == 4 and parts[0] == host and parts[1].isdigit()
-                    and not _pid_alive(int(parts[1])))
-            try:
-                if dead or now - p.stat().st_mtime > TMP_MAX_AGE_S:
-                    p.unlink()
-                    removed += 1
-            except FileNotFoundError:
-                pass
-        return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return clean_tmp_dir(self.tmp)
 
 
 def find_buffer(path: str | os.PathLike) -> Path:

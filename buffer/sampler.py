@@ -6,14 +6,22 @@ is an error, not a silent double count. Every pull writes one ledger shard
 `step-<trainer_step>-<seq>.parquet` (temp + rename) before returning, so a
 crash after a pull can never forget it.
 
-Resume: `Sampler(root, as_of_step=k)` moves ledger shards of steps after k to
-ledger/abandoned/ (kept for audit, invisible to replay and SQL), so a trainer
-restored from its checkpoint at step k is offered exactly the groups it had
-not trained on by then.
+Resume: `Sampler(root, as_of_step=k)` moves ledger records of steps after k
+to ledger/abandoned/ (kept for audit, invisible to replay and SQL), so a
+trainer restored from its checkpoint at step k is offered exactly the groups
+it had not trained on by then. A merged ledger file (buffer.compact_ledger)
+that spans step k is cut there, under the buffer's lock: the records up to k
+become a new merged file, swapped in through the ledger's manifest, and the
+whole old file goes to abandoned/.
+
+The sampler's index drops groups that can never be pulled again (filtered,
+or consumed `reuse` times; buffer.index), so its memory follows the groups
+still waiting, not the length of the run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -26,8 +34,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from filelock import FileLock, Timeout
 
-from buffer.index import ELIGIBLE, GroupIndex, ledger_step
-from buffer.layout import BufferDir, BufferError, atomic_file
+from buffer.fileset import SOURCES_KEY, read_sources
+from buffer.index import ELIGIBLE, GroupIndex
+from buffer.layout import BufferDir, BufferError, atomic_file, is_ledger_c_name, is_ledger_name, ledger_range
 from buffer.schema import LEDGER_SCHEMA, staleness
 
 Order = Literal["oldest", "newest", "uniform"]
@@ -74,20 +83,65 @@ class Sampler:
                               "one trainer per buffer") from None
         if as_of_step is not None:
             self._abandon_after(as_of_step)
-        self.index = GroupIndex(self.dir.root, quarantine=True)
-        self._step_seq: dict[int, int] = {}
+        self.index = GroupIndex(self.dir.root, quarantine=True, retire=True, reuse=reuse)
         self.cache_bytes = cache_bytes
         self._cache: dict[tuple[int, int], pa.Table] = {}   # (file_idx, row group) -> rows, LRU first
         self._cache_bytes = 0
-        for p in self.dir.ledger_shards():
-            s = ledger_step(p)
-            self._step_seq[s] = max(self._step_seq.get(s, 0), int(p.stem.split("-")[2]) + 1)
+        # Ledger names: 'step-<step>-<seq>'; a step written again (a restart without as_of_step) takes
+        # sequence numbers after those on disk, live or replaced, so no name is ever reused.
+        names = [n for n in os.listdir(self.dir.ledger) if is_ledger_name(n)]
+        self._disk_last_step = max((ledger_range(n)[1] for n in names), default=-1)
+        self._seq_step, self._seq_next = -1, 0
 
     def _abandon_after(self, step: int) -> None:
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        for p in self.dir.ledger_shards():
-            if ledger_step(p) > step:
-                os.replace(p, self.dir.abandoned / f"{stamp}-{os.getpid()}-{p.name}")
+        """Move the ledger records of steps after `step` to abandoned/ (see module doc)."""
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        fs = self.dir.ledger_set
+        with self.dir.lock:   # against a compactor merging ledger files meanwhile
+            manifest = fs.read_manifest()
+            new, gone = [], []
+            for name in os.listdir(self.dir.ledger):
+                if not is_ledger_name(name):
+                    continue
+                first, last = ledger_range(name)
+                if last <= step:
+                    continue
+                live = name in manifest.compacted or (name not in manifest.replaced and not is_ledger_c_name(name))
+                if live and first <= step:   # a merged file across the step: keep its records up to it
+                    new.append(self._cut(name, step, manifest.generation + 1, len(new)))
+                if live or name in manifest.replaced:
+                    gone.append(name)
+            if new or gone:
+                compacted = tuple(n for n in manifest.compacted if n not in set(gone)) + tuple(new)
+                replaced = {k: v for k, v in manifest.replaced.items() if k not in set(gone)}
+                fs.write_manifest(type(manifest)(manifest.generation + 1, compacted, replaced))
+            for name in gone:
+                try:
+                    os.replace(self.dir.ledger / name, self.dir.abandoned / f"{stamp}-{name}")
+                except FileNotFoundError:
+                    pass
+
+    def _cut(self, name: str, step: int, generation: int, i: int) -> str:
+        """A merged ledger file's records of steps <= `step`, as a new merged file (not yet live); its name."""
+        pf = pq.ParquetFile(self.dir.ledger / name)
+        t = pf.read()
+        keep = pc.less_equal(t.column("trainer_step"), step)
+        kept = t.filter(keep)
+        sources = read_sources(pf.metadata) or [[name, t.num_rows]]
+        kept_sources, at = [], 0
+        mask = keep.to_numpy(zero_copy_only=False)
+        for src, rows in sources:
+            n = int(mask[at: at + rows].sum())
+            if n:
+                kept_sources.append([src, n])
+            at += rows
+        first = ledger_range(name)[0]
+        last = int(pc.max(kept.column("trainer_step")).as_py()) if kept.num_rows else first
+        out = f"step-{first:09d}-c{generation:06d}r{i:02d}-{last:09d}.parquet"
+        kept = kept.replace_schema_metadata({SOURCES_KEY: json.dumps(kept_sources).encode()})
+        with atomic_file(self.dir.tmp, self.dir.ledger / out) as f:
+            pq.write_table(kept, f, compression="zstd")
+        return out
 
     def close(self) -> None:
         self._cache.clear()
@@ -101,9 +155,9 @@ class Sampler:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def counts(self, trainer_version: int, max_staleness: int | None) -> dict:
+    def counts(self, trainer_version: int, max_staleness: int | None, *, by_version: bool = True) -> dict:
         self.index.refresh()
-        return self.index.counts(trainer_version, max_staleness, self.reuse)
+        return self.index.counts(trainer_version, max_staleness, self.reuse, by_version=by_version)
 
     def pull(self, n: int, *, trainer_version: int, trainer_step: int,
              max_staleness: int | None) -> Batch | None:
@@ -226,10 +280,20 @@ class Sampler:
             self._cache_bytes -= cache.pop(next(iter(cache))).nbytes
         return out
 
+    def _next_seq(self, step: int) -> int:
+        if step != self._seq_step:
+            self._seq_step, self._seq_next = step, 0
+            if step <= self._disk_last_step:   # the step has files already (live, replaced or merged)
+                taken = [int(n.split("-")[2].removesuffix(".parquet")) for n in os.listdir(self.dir.ledger)
+                         if is_ledger_name(n) and not is_ledger_c_name(n) and ledger_range(n)[0] == step]
+                self._seq_next = max(taken, default=-1) + 1
+        seq = self._seq_next
+        self._seq_next += 1
+        return seq
+
     def _record(self, group_ids: list[str], versions: np.ndarray, uses: np.ndarray,
                 trainer_step: int, trainer_version: int) -> Path:
-        seq = self._step_seq.get(trainer_step, 0)
-        self._step_seq[trainer_step] = seq + 1
+        seq = self._next_seq(trainer_step)
         now_us = int(time.time() * 1e6)
         n = len(group_ids)
         table = pa.table({

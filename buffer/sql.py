@@ -33,7 +33,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from buffer.layout import BufferDir, BufferError, find_buffer
+from buffer.layout import BufferDir, BufferError, find_buffer, run_file_set
 from buffer.schema import LEDGER_SCHEMA, ROLLOUT_SCHEMA
 
 
@@ -153,14 +153,14 @@ class BufferSQL:
         """Rollout shards, ledger shards, and metrics files (the trainer's, then the generators')."""
         shards = [p for p in self.dir.live_shards() if p.name not in self.skipped]
         ledger = [p for p in self.dir.ledger_shards() if p.name not in self.skipped]
-        metrics = sorted(self.metrics_dir.glob("*.parquet")) if self.metrics_dir else []
+        metrics = run_file_set(self.metrics_dir, "metrics").live() if self.metrics_dir else []
         metrics += self._generator_metrics()
         metrics = [p for p in metrics if p.name not in self.skipped]
         return shards, ledger, metrics
 
     def _generator_metrics(self) -> list[Path]:
         d = self.generator_metrics_dir
-        return sorted(d.glob("*.parquet")) if d is not None else []
+        return run_file_set(d, "generator_metrics").live() if d is not None else []
 
     def connect(self) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory connection with the views over the current files, locked down."""

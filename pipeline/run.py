@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import buffer
+from buffer.layout import run_file_set
 from pipeline.children import cli_argv, spawn, tail
 from pipeline.config import save_config
 from pipeline.errors import RunError
@@ -152,31 +153,38 @@ class Progress:
         self.started = time.time()
 
     def _metrics_rows(self) -> list[dict]:
+        """The newest row of each live metrics file (files the compactor merged away are forgotten)."""
         import pyarrow.parquet as pq
 
         mdir = self.run / "metrics"
         if mdir.is_dir():
-            for p in sorted(mdir.glob("*.parquet")):
-                if p.name not in self.seen:
+            live = run_file_set(mdir, "metrics").live_names()
+            for name in live:
+                if name not in self.seen:
                     try:
-                        rows = pq.read_table(p).to_pylist()
+                        table = pq.read_table(mdir / name)
                     except Exception:  # a shard being replaced; read it next time
                         continue
-                    self.seen[p.name] = rows[-1] if rows else {}
-        return [r for r in self.seen.values() if r]
+                    rows = table.slice(max(table.num_rows - 1, 0)).to_pylist()
+                    self.seen[name] = {"last": rows[-1] if rows else {},
+                                       "wait": _column_sum(table, "time/wait_s"),
+                                       "step_time": _column_sum(table, "time/step_s")}
+            for name in set(self.seen) - set(live):
+                del self.seen[name]
+        return [r for r in self.seen.values() if r["last"]]
 
     def snapshot(self) -> dict:
-        rows = self._metrics_rows()
-        last = max(rows, key=lambda r: r.get("step", 0)) if rows else {}
+        files = self._metrics_rows()
+        last = max((f["last"] for f in files), key=lambda r: r.get("step", 0)) if files else {}
         version = int(last.get("version", 0) or 0)
         counts = {}
         if buffer.BufferDir.is_buffer(self.run / "buffer"):
             if self.index is None:
-                self.index = buffer.GroupIndex(self.run / "buffer", quarantine=False)
+                self.index = buffer.GroupIndex(self.run / "buffer", quarantine=False, retire=True)
             self.index.refresh()
-            counts = self.index.counts(version, self.cfg.trainer.max_staleness)
-        wait = sum(float(r.get("time/wait_s", 0.0) or 0.0) for r in rows)
-        step_time = sum(float(r.get("time/step_s", 0.0) or 0.0) for r in rows)
+            counts = self.index.counts(version, self.cfg.trainer.max_staleness, by_version=False)
+        wait = sum(f["wait"] for f in files)
+        step_time = sum(f["step_time"] for f in files)
         return {
             "elapsed_s": time.time() - self.started,
             "step": int(last.get("step", 0) or 0), "version": version,
@@ -187,6 +195,15 @@ class Progress:
             "consumed": counts.get("consumed", 0),
             "trainer_idle": wait / step_time if step_time > 0 else None,
         }
+
+
+def _column_sum(table, name: str) -> float:
+    """Sum of a metrics column (0 where absent or null)."""
+    if name not in table.column_names:
+        return 0.0
+    import pyarrow.compute as pc
+
+    return float(pc.sum(table.column(name)).as_py() or 0.0)
 
 
 def _fmt(v, spec: str = ".3f") -> str:

@@ -29,7 +29,7 @@ def filled(tmp_path):
     with Sampler(buf) as s:
         s.pull(2, trainer_version=1, trainer_step=1, max_staleness=None)
     (run / "metrics").mkdir()
-    pq.write_table(pa.table({"step": [1], "loss": [0.5]}), run / "metrics" / "m-000001.parquet")
+    pq.write_table(pa.table({"step": [1], "loss": [0.5]}), run / "metrics" / "steps-000000001-000000001.parquet")
     return run
 
 

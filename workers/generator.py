@@ -156,7 +156,7 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     stats = GeneratorStats(run, generator_id, writer.writer_id, cfg.flush_seconds)
     stats.add(batch=0, version=version, started_at=started, wait_s=waited_for_v0,
               reload_s=time.time() - started - waited_for_v0)   # start-up: waiting for v0, loading it
-    index = GroupIndex(run / "buffer")
+    index = GroupIndex(run / "buffer", retire=True)
     scheduler = PromptScheduler(task.train, cfg.scheduler, seed=seed)
     scheduler.load_history(run / "buffer")
     trainable = TrainableShare()
@@ -331,7 +331,7 @@ def _admit(index, writer, trainable: TrainableShare, admission: Admission, store
             return None, time.time() - t0
         writer.wait()  # shards in flight become visible first: each group counted exactly once below
         index.refresh()
-        counts = index.counts(t, admission.max_staleness)
+        counts = index.counts(t, admission.max_staleness, by_version=False)
         admitted = (counts["admitted"] - counts["expired"] - counts["unavailable"]
                     + trainable.pending_trainable(writer.pending_groups))
         if admitted < limit:

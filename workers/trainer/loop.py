@@ -137,7 +137,7 @@ def _wait_and_pull(s: Session):
         t0 = time.time()
         batch = s.sampler.pull(cfg.groups_per_step, **pull)
         if batch is None and s.offline:
-            left = s.sampler.counts(s.pull_version, None)["eligible"]
+            left = s.sampler.counts(s.pull_version, None, by_version=False)["eligible"]
             if left == 0:
                 return "exhausted", None, (time.time() - started, 0.0)
             batch = s.sampler.pull(left, **pull)  # the last, smaller step of the pass (None: retry)
@@ -149,7 +149,7 @@ def _wait_and_pull(s: Session):
                      now - started, cfg.groups_per_step)
             return "gave_up", None, (now - started, 0.0)
         if now - last_log >= cfg.log_wait_seconds:
-            c = s.sampler.counts(s.pull_version, max_staleness)
+            c = s.sampler.counts(s.pull_version, max_staleness, by_version=False)
             log.info("step %d (v%d): waiting for %d eligible groups: %d eligible, %d expired, %d filtered, "
                      "%d future, %d consumed; waited %.0f s", s.step + 1, s.version, cfg.groups_per_step,
                      c["eligible"], c["expired"], c["filtered"], c["future"], c["consumed"], now - started)
@@ -189,7 +189,8 @@ def _close(s: Session, reason: str) -> None:
 def _row(s: Session, pulled, batch, m: dict, times, *, wait_s: float, pull_s: float, train_s: float,
          publish_s: float, step_s: float, lr: float, beta: float, published: bool) -> dict:
     """One metrics row: namespaced columns, plain floats and ints."""
-    counts = s.sampler.counts(pulled.trainer_version, None if s.offline else s.cfg.max_staleness)
+    counts = s.sampler.counts(pulled.trainer_version, None if s.offline else s.cfg.max_staleness,
+                              by_version=False)
     stale = pulled.staleness.astype(np.float64)
     tokens = int(batch.prompt_lengths.sum() + batch.completion_lengths.sum())
     judged = batch.correct[~np.isnan(batch.correct)]

@@ -2,11 +2,13 @@
 
 Shards are `<run>/metrics/steps-<first>-<last>.parquet` (zero-padded step
 numbers), one row per step, written to metrics/tmp/ and renamed, so the
-buffer's SQL view `metrics` (a glob of metrics/*.parquet) never sees a
-partial file. Rows are written every `metrics_flush_seconds` and at every
-checkpoint, so on a resume from the checkpoint at step k the shards of
-steps after k are exactly those to delete (`truncate_after`) before the
-steps are taken again: a step never has two rows.
+buffer's SQL view `metrics` never sees a partial file. The compactor merges
+them into `steps-<first>-<last>-c<generation>.parquet`; the live files are
+those the folder's manifest says (buffer.layout.run_file_set). Rows are
+written every `metrics_flush_seconds` and at every checkpoint, so on a resume
+from the checkpoint at step k the rows of steps after k are exactly those to
+delete (`truncate_after`) before the steps are taken again: a step never has
+two rows.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from buffer.layout import atomic_file
+from buffer.layout import atomic_file, clean_tmp_dir, run_file_set
 
 # policy_loss metrics that are sums over micro-batches (global normaliser or counts);
 # each is divided by the number of inner epochs, so a step reports one epoch's worth.
@@ -100,26 +102,47 @@ class MetricsWriter:
         self.tmp = self.root / "tmp"
         self.root.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(exist_ok=True)
-        for p in self.tmp.iterdir():  # a crashed writer's leftovers (only the trainer writes here)
-            p.unlink(missing_ok=True)
+        clean_tmp_dir(self.tmp)   # a crashed writer's leftovers (not a running compactor's)
+        self.files = run_file_set(self.root, "metrics")
         self.flush_seconds = flush_seconds
         self.pending: list[dict] = []
         self._oldest: float | None = None
 
     def truncate_after(self, step: int) -> int:
-        """Delete rows of steps > `step` (shards after it; one across it is rewritten); returns rows dropped."""
+        """Delete rows of steps > `step`; returns the live rows dropped.
+
+        Under the folder's compaction lock: live files after the step are
+        deleted, one across it is rewritten as a merged file of its rows up to
+        the step (swapped in through the manifest), and replaced files after the
+        step (kept for readers' grace) go too, so no new file's name is taken.
+        """
+        fs = self.files
         dropped = 0
-        for p in sorted(self.root.glob("steps-*.parquet")):
-            first, last = (int(x) for x in p.stem.split("-")[1:3])
-            if first > step:
-                dropped += pq.ParquetFile(p).metadata.num_rows
-                p.unlink()
-            elif last > step:
-                t = pq.read_table(p)
-                keep = t.filter(pc.less_equal(t.column("step"), step))
-                dropped += t.num_rows - keep.num_rows
-                self._write(keep, first, step)
-                p.unlink()
+        with fs.lock:
+            manifest = fs.read_manifest()
+            live = set(fs.live_names())
+            new, gone = [], []
+            for name in sorted(n for n in os.listdir(self.root) if fs.is_member(n)):
+                first, last = (int(x) for x in name.removesuffix(".parquet").split("-")[1:3])
+                if last <= step:
+                    continue
+                if name in live:
+                    t = pq.read_table(self.root / name)
+                    keep = t.filter(pc.less_equal(t.column("step"), step))
+                    dropped += t.num_rows - keep.num_rows
+                    if keep.num_rows:
+                        out = f"steps-{first:09d}-{step:09d}-c{manifest.generation + 1:06d}{len(new):02d}.parquet"
+                        with atomic_file(self.tmp, self.root / out) as f:
+                            pq.write_table(keep, f, compression="zstd")
+                        new.append(out)
+                if name in live or name in manifest.replaced:
+                    gone.append(name)
+            if new or gone:
+                fs.write_manifest(type(manifest)(
+                    manifest.generation + 1, tuple(n for n in manifest.compacted if n not in set(gone)) + tuple(new),
+                    {k: v for k, v in manifest.replaced.items() if k not in set(gone)}))
+            for name in gone:
+                (self.root / name).unlink(missing_ok=True)
         return dropped
 
     def add(self, row: dict) -> None:

@@ -1,0 +1,184 @@
+"""A folder of write-once Parquet files that compaction merges, and which of them are live.
+
+Every kind of file a run grows by (rollout shards, ledger records, the
+trainer's metrics, the generators' metrics) is a `FileSet`: writers add
+files (temp + rename), compaction merges sealed ones into c-files, and every
+reader lists the live files through the set's manifest:
+
+    manifest   {"generation": g, "compacted": [live c-files], "replaced": {name: time replaced}}
+    live       a plain file unless the manifest lists it as replaced;
+               a c-file only once the manifest lists it as compacted
+
+A merge (under the set's lock) writes the c-file first (invisible: not yet in
+the manifest), then swaps it in for its sources in one atomic manifest write,
+and deletes the sources only `grace_s` later, dropping them from the manifest
+after the deletion. A reader reads the manifest before listing the folder, so
+it never counts a row twice (a c-file and its sources are never live
+together) and never misses one (a source stays on disk until long after the
+c-file became live); a kill -9 at any point leaves the set as it was or as
+it is after the merge, with at most a temp file to clean.
+
+Each c-file names its sources in its footer (`asyncgrpo.sources`: a JSON list
+of [name, rows] in row order), so an incremental reader that already counted
+some sources skips exactly their rows (buffer.index).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from filelock import FileLock
+
+from buffer.atomic import BufferError, atomic_file
+
+if TYPE_CHECKING:   # pyarrow is imported where used: `asyncgrpo --help` reaches this module
+    import pyarrow.parquet as pq
+
+SOURCES_KEY = b"asyncgrpo.sources"
+PARQUET = ".parquet"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    generation: int
+    compacted: tuple[str, ...]           # live c-files
+    replaced: dict[str, float]           # file name -> time it was replaced (to delete after grace)
+
+    @staticmethod
+    def empty() -> "Manifest":
+        return Manifest(0, (), {})
+
+
+def read_sources(meta: pq.FileMetaData) -> list[tuple[str, int]] | None:
+    """[(source name, rows)] of a c-file, in row order; None for a file without them (a plain file)."""
+    raw = (meta.metadata or {}).get(SOURCES_KEY)
+    if raw is None:
+        return None
+    return [(str(name), int(rows)) for name, rows in json.loads(raw)]
+
+
+class FileSet:
+    """One folder of write-once Parquet files with its manifest; see the module doc.
+
+    folder         where the files are
+    manifest_path  the manifest (JSON), replaced atomically under `lock`
+    tmp            folder for temp files (same filesystem as `folder`)
+    is_member      which names in the folder belong to the set (e.g. 'step-*.parquet')
+    is_compacted   which of them are c-files (live only once the manifest lists them)
+    c_name         (generation, batch number, source names) -> the name of a c-file
+                   merged from them, one that `is_member` and `is_compacted` accept
+    """
+
+    def __init__(self, folder: Path, manifest_path: Path, lock: FileLock, tmp: Path, *,
+                 is_member: Callable[[str], bool], is_compacted: Callable[[str], bool],
+                 c_name: Callable[[int, int, list[str]], str] | None = None):
+        self.folder, self.manifest_path, self.lock, self.tmp = folder, manifest_path, lock, tmp
+        self.is_member, self.is_compacted = is_member, is_compacted
+        self.c_name = c_name or (lambda generation, i, _names: f"c-{generation:06d}-{i:04d}.parquet")
+
+    # -- the manifest --------------------------------------------------------------
+    def read_manifest(self) -> Manifest:
+        try:
+            raw = json.loads(self.manifest_path.read_text())
+        except FileNotFoundError:
+            return Manifest.empty()
+        except (OSError, ValueError) as e:
+            raise BufferError(f"unreadable manifest {self.manifest_path}: {e}") from e
+        try:
+            return Manifest(int(raw["generation"]), tuple(raw["compacted"]),
+                            {k: float(v) for k, v in raw["replaced"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise BufferError(f"unreadable manifest {self.manifest_path}: {type(e).__name__}: {e}") from e
+
+    def write_manifest(self, m: Manifest) -> None:
+        """Replace the manifest atomically; the caller holds the lock."""
+        raw = {"generation": m.generation, "compacted": list(m.compacted), "replaced": m.replaced}
+        with atomic_file(self.tmp, self.manifest_path) as f:
+            f.write(json.dumps(raw, indent=1).encode())
+
+    # -- listing ---------------------------------------------------------------------
+    def live_names(self) -> list[str]:
+        """Names of the live files, sorted (first the manifest, then the listing: see module doc)."""
+        manifest = self.read_manifest()
+        compacted = set(manifest.compacted)
+        try:
+            names = os.listdir(self.folder)
+        except FileNotFoundError:
+            return []
+        live = [n for n in names if self.is_member(n) and n not in manifest.replaced
+                and (n in compacted or not self.is_compacted(n))]
+        live.sort()
+        return live
+
+    def live(self) -> list[Path]:
+        return [self.folder / n for n in self.live_names()]
+
+    # -- compaction ------------------------------------------------------------------
+    def swap(self, manifest: Manifest, new: Iterable[str], sources: Iterable[str], now: float) -> Manifest:
+        """The manifest with c-files `new` live and `sources` replaced at `now`, written; caller holds the lock."""
+        compacted = [n for n in manifest.compacted if n not in set(sources)]
+        compacted += list(new)
+        replaced = dict(manifest.replaced)
+        replaced.update({n: now for n in sources})
+        m = replace(manifest, generation=manifest.generation + 1, compacted=tuple(compacted), replaced=replaced)
+        self.write_manifest(m)
+        return m
+
+    def delete_expired(self, grace_s: float, now: float | None = None) -> int:
+        """Delete files replaced more than `grace_s` ago, then drop them from the manifest; caller holds the lock.
+
+        Also deletes orphan c-files: written by a merge killed before its manifest
+        write, never live (every merge runs under the lock, so none is in flight).
+        """
+        now = time.time() if now is None else now
+        manifest = self.read_manifest()
+        listed = set(manifest.compacted) | set(manifest.replaced)
+        try:
+            names = os.listdir(self.folder)
+        except FileNotFoundError:
+            names = []
+        for n in names:
+            if self.is_member(n) and self.is_compacted(n) and n not in listed:
+                try:
+                    os.unlink(self.folder / n)
+                except FileNotFoundError:
+                    pass
+        expired = [n for n, t in manifest.replaced.items() if now - t >= grace_s]
+        for n in expired:
+            try:
+                os.unlink(self.folder / n)
+            except FileNotFoundError:
+                pass
+        if expired:
+            self.write_manifest(replace(manifest, replaced={k: v for k, v in manifest.replaced.items()
+                                                            if k not in set(expired)}))
+        return len(expired)
+
+    def merge_tables(self, names: list[str], out_name: str, *, sort_by: str | None = None) -> int:
+        """Write the small files `names` as one c-file `out_name` (invisible until `swap`); its rows.
+
+        Every source is read whole (ledger and metrics files are small); columns
+        a source lacks read as null (metrics rows gain keys over a run). The
+        footer names the sources and their rows in order. With `sort_by`, the
+        sources are taken in the order of that column's first value.
+        """
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        tables = [(n, pq.read_table(self.folder / n)) for n in names]
+        if sort_by is not None:
+            tables.sort(key=lambda nt: (nt[1].column(sort_by)[0].as_py() if nt[1].num_rows else -1, nt[0]))
+        merged = pa.concat_tables([t.replace_schema_metadata(None) for _, t in tables],
+                                  promote_options="permissive")
+        sources = [[n, t.num_rows] for n, t in tables]
+        merged = merged.replace_schema_metadata({SOURCES_KEY: json.dumps(sources).encode()})
+        with atomic_file(self.tmp, self.folder / out_name) as f:
+            pq.write_table(merged, f, compression="zstd")
+        return merged.num_rows

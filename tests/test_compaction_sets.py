@@ -1,0 +1,327 @@
+"""Compaction of the ledger, metrics and generator metrics; an index of bounded memory; kill -9 mid-compaction.
+
+Every kind of file a run grows by is merged in the background (workers/compactor.py);
+readers must never count a row twice or miss one, the ledger must still give
+exactly-once consumption (also after a resume "as of step k" that cuts a merged
+ledger file), and a kill -9 at any point of a pass must lose nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from buffer import BufferDir, BufferSQL, GroupIndex, Sampler, ShardWriter, compact, compact_ledger, compact_small
+from buffer.layout import run_file_set
+from conftest import REPO, make_group
+from workers.compactor import CompactorConfig, compact_run, live_files
+from workers.generator_stats import GeneratorStats
+from workers.trainer.metrics import MetricsWriter
+
+G = 4
+NOW = dict(min_age_s=0.0, grace_s=0.0)
+
+
+def _fill(buf, n, *, filtered_every=None, flush_groups=10, versions=None):
+    ids = []
+    with ShardWriter(buf, flush_groups=flush_groups, flush_seconds=None) as w:
+        for i in range(n):
+            rewards = [1] * G if filtered_every and i % filtered_every == 0 else [1, 0, 0, 1]
+            v = versions[i] if versions is not None else 0
+            ids.append(w.append(make_group(v, rewards, prompt_id=f"p{i}", seed=i, correct=rewards)))
+    return ids
+
+
+def _pull_steps(buf, steps, n=5, *, first_step=1, **kw):
+    """Pulls of n groups at steps first_step.. (trainer version 0, no limit); the group ids of each step."""
+    out = []
+    with Sampler(buf, **kw) as s:
+        for step in range(first_step, first_step + steps):
+            out.append(s.pull(n, trainer_version=0, trainer_step=step, max_staleness=None).group_ids)
+    return out
+
+
+def _consumed(root) -> list[tuple[str, int]]:
+    return [(r["group_id"], r["trainer_step"]) for r in
+            BufferSQL(root).query("SELECT group_id, trainer_step FROM consumed ORDER BY trainer_step, group_id")
+            .to_pylist()]
+
+
+def test_merged_ledger_keeps_exactly_once_for_readers_and_a_new_trainer(buf):
+    ids = _fill(buf, 200)
+    pulled = _pull_steps(buf, 20)
+    d = BufferDir(buf)
+    assert len(d.ledger_shard_names()) == 20
+    observer = GroupIndex(buf)          # read the 20 files before the merge
+    assert observer.counts(0, None)["consumed"] == 100
+    r = compact_ledger(buf, **NOW)
+    assert (r.merged_files, r.written_files, r.groups, r.deleted_files) == (20, 1, 100, 20)
+    (name,) = d.ledger_shard_names()
+    assert name.startswith("step-000000001-c") and name.endswith("-000000020.parquet")
+    assert sorted(os.listdir(d.ledger)) == sorted([name, "abandoned", "manifest.json"])
+    observer.refresh()                  # the merged file's sources were read already: nothing new
+    assert observer.counts(0, None)["consumed"] == 100
+    assert GroupIndex(buf).counts(0, None)["consumed"] == 100
+    consumed = _consumed(buf)
+    assert len(consumed) == 100 and len({g for g, _ in consumed}) == 100
+    assert [g for g, s in consumed if s == 7] == sorted(pulled[6])
+    rest = _pull_steps(buf, 20, first_step=21)          # a new trainer: the other 100 groups, none twice
+    assert sorted(sum(pulled + rest, [])) == sorted(ids)
+
+
+def test_a_merged_ledger_of_merged_files_counts_each_record_once(buf):
+    _fill(buf, 200)
+    _pull_steps(buf, 10)
+    compact_ledger(buf, **NOW)
+    observer = GroupIndex(buf)
+    _pull_steps(buf, 6, first_step=11)
+    observer.refresh()                                   # it has read the first merge and 6 new files
+    assert observer.counts(0, None)["consumed"] == 80
+    _pull_steps(buf, 4, first_step=17)
+    r = compact_ledger(buf, **NOW)                       # merged file + 10 new files -> one file
+    assert (r.merged_files, r.written_files) == (11, 1)
+    observer.refresh()                                   # 4 files' records are new to it, 16 steps' are not
+    assert observer.counts(0, None)["consumed"] == 100 == len(_consumed(buf))
+    assert GroupIndex(buf).counts(0, None)["consumed"] == 100
+
+
+def test_resume_as_of_a_step_inside_a_merged_ledger_file_cuts_it_there(buf):
+    ids = _fill(buf, 200)
+    first = _pull_steps(buf, 20)
+    compact_ledger(buf, **NOW)
+    again = _pull_steps(buf, 8, first_step=13, as_of_step=12)   # a trainer restored at step 12
+    assert again == first[12:20]                           # the same groups, oldest first, exactly once
+    d = BufferDir(buf)
+    names = d.ledger_shard_names()
+    assert names[0].startswith("step-000000001-c") and names[0].endswith("-000000012.parquet")
+    assert len(names) == 9 and all(n.startswith("step-0000000") and "-c" not in n for n in names[1:])
+    consumed = _consumed(buf)
+    assert len(consumed) == 100 and len({g for g, _ in consumed}) == 100
+    assert sorted(g for g, s in consumed if s <= 12) == sorted(sum(first[:12], []))
+    assert len(os.listdir(d.abandoned)) == 1 and GroupIndex(buf).counts(0, None)["consumed"] == 100
+    rest = _pull_steps(buf, 20, first_step=21)
+    assert sorted(sum(first[:12] + again + rest, [])) == sorted(ids)
+
+
+def test_resume_also_abandons_replaced_ledger_files_in_their_grace_period(buf):
+    _fill(buf, 100)
+    first = _pull_steps(buf, 10)
+    compact_ledger(buf, min_age_s=0.0, grace_s=3600.0)     # sources replaced, kept for readers
+    d = BufferDir(buf)
+    assert len(os.listdir(d.ledger)) == 10 + 1 + 2
+    again = _pull_steps(buf, 5, first_step=6, as_of_step=5)
+    assert again == first[5:]
+    # the new files reuse the step numbers, never a name that is on disk and replaced
+    assert len(_consumed(buf)) == 50 and GroupIndex(buf).counts(0, None)["consumed"] == 50
+
+
+def _metrics(run) -> list[int]:
+    return [r["step"] for r in BufferSQL(run).query("SELECT step FROM metrics ORDER BY step").to_pylist()]
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = tmp_path / "run"
+    (run / "buffer").mkdir(parents=True)
+    return run
+
+
+def test_metrics_merge_and_a_resume_truncates_across_the_merged_file(run_dir):
+    _fill(run_dir / "buffer", 4)
+    m = MetricsWriter(run_dir / "metrics", flush_seconds=0.0)
+    for step in range(1, 31):
+        m.add({"step": step, "loss": 1.0 / step, **({"extra": 1.0} if step > 20 else {})})
+    assert len(run_file_set(run_dir / "metrics", "metrics").live_names()) == 30
+    r = compact_small(run_file_set(run_dir / "metrics", "metrics"), target_rows=1000, sort_by="step", **NOW)
+    assert (r.merged_files, r.written_files, r.groups) == (30, 1, 30)
+    assert _metrics(run_dir) == list(range(1, 31))
+    assert BufferSQL(run_dir).query("SELECT count(extra) n FROM metrics").to_pylist() == [{"n": 10}]
+    m2 = MetricsWriter(run_dir / "metrics", flush_seconds=0.0)   # the trainer restored at step 17
+    assert m2.truncate_after(17) == 13
+    assert _metrics(run_dir) == list(range(1, 18))
+    for step in range(18, 26):
+        m2.add({"step": step, "loss": 0.0})
+    assert _metrics(run_dir) == list(range(1, 26))
+
+
+def test_generator_metrics_merge_exactly(run_dir):
+    _fill(run_dir / "buffer", 4)
+    for w in ("w000000", "w000001"):
+        stats = GeneratorStats(run_dir, "gen", w, flush_seconds=0.0)
+        for b in range(12):
+            stats.add(batch=b, version=0, started_at=time.time(), groups=2)
+        stats.close()
+    fs = run_file_set(run_dir / "generator_metrics", "generator_metrics")
+    assert len(fs.live_names()) == 24
+    r = compact_small(fs, target_rows=10, **NOW)
+    assert r.written_files == 3 and len(fs.live_names()) == 3
+    got = BufferSQL(run_dir).query("SELECT writer_id, count(*) n, sum(groups) g FROM generator_metrics "
+                                   "GROUP BY 1 ORDER BY 1").to_pylist()
+    assert got == [{"writer_id": "w000000", "n": 12, "g": 24}, {"writer_id": "w000001", "n": 12, "g": 24}]
+
+
+def test_a_retiring_index_holds_only_what_may_still_be_pulled_and_counts_like_a_full_one(buf, monkeypatch):
+    monkeypatch.setattr(GroupIndex, "DROP_AT", 8)
+    versions = [i // 10 for i in range(120)]
+    _fill(buf, 120, filtered_every=4, versions=versions)
+    watcher = GroupIndex(buf, retire=True)
+    with Sampler(buf) as s:
+        for step in range(1, 13):
+            assert s.pull(5, trainer_version=12, trainer_step=step, max_staleness=None) is not None
+        s.counts(12, 4)                                   # a refresh: retired rows dropped
+        assert s.index.retired == 30 + 60 and len(s.index) == 30
+    watcher.refresh()
+    full = GroupIndex(buf)
+    for t, limit in ((12, 4), (12, None), (20, 2)):
+        assert watcher.counts(t, limit) == full.counts(t, limit)
+    assert len(watcher) == 30 and len(full) == 120
+    compact(buf, target_groups=1000, **NOW)               # dropped groups move to a c-file: not new again
+    watcher.refresh()
+    assert len(watcher) == 30 and watcher.counts(12, 4) == GroupIndex(buf).counts(12, 4)
+    with Sampler(buf) as s:                               # and a trainer after the merge pulls the rest once
+        got = [s.pull(5, trainer_version=12, trainer_step=20 + i, max_staleness=None).group_ids for i in range(6)]
+        assert s.pull(1, trainer_version=12, trainer_step=30, max_staleness=None) is None
+    assert len(set(sum(got, []))) == 30
+
+
+def _populate(run) -> dict:
+    """A run with 20 shards, 10 ledger files, 10 metrics files and 6 generator-metrics files; their counts."""
+    _fill(run / "buffer", 40, flush_groups=2)
+    _pull_steps(run / "buffer", 10, n=2)
+    m = MetricsWriter(run / "metrics", flush_seconds=0.0)
+    for step in range(1, 11):
+        m.add({"step": step, "loss": 0.5})
+    stats = GeneratorStats(run, "gen0", "w000000", flush_seconds=0.0)
+    for b in range(6):
+        stats.add(batch=b, version=0, started_at=time.time(), groups=1)
+    return {"shards": 20, "ledger": 10, "metrics": 10, "generator_metrics": 6}
+
+
+def _exact(run) -> tuple:
+    db = BufferSQL(run)
+    q = ("SELECT (SELECT count(*) FROM rollouts), (SELECT count(DISTINCT group_id) FROM rollouts), "
+         "(SELECT count(*) FROM consumed), (SELECT count(DISTINCT group_id) FROM consumed), "
+         "(SELECT count(*) FROM metrics), (SELECT count(DISTINCT step) FROM metrics), "
+         "(SELECT count(*) FROM generator_metrics)")
+    return tuple(db.query(q).to_pylist()[0].values())
+
+
+EXACT = (160, 40, 20, 20, 10, 10, 6)
+
+
+@pytest.mark.parametrize("point", ["written", "swapped", "deleting"])
+@pytest.mark.parametrize("kind", ["shards", "ledger", "metrics", "generator_metrics"])
+def test_kill_9_in_the_middle_of_a_compaction_loses_nothing(run_dir, kind, point):
+    files = _populate(run_dir)
+    assert live_files(run_dir) == files and _exact(run_dir) == EXACT
+    marker = run_dir.parent / "paused"
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "compact_pause.py"), str(run_dir),
+                             kind, point, str(marker)], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "no pause in 60 s"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert _exact(run_dir) == EXACT                        # readers: every row once, none missing
+    live = live_files(run_dir)
+    assert live[kind] == (1 if point != "written" else files[kind])
+    with Sampler(run_dir / "buffer") as s:                 # the trainer: the 20 consumed groups stay consumed
+        assert s.counts(0, None)["consumed"] == 20
+    compact_run(run_dir, CompactorConfig(min_age_s=0.0, grace_s=0.0))   # the next pass finishes the work
+    assert _exact(run_dir) == EXACT
+    assert all(n == 1 for n in live_files(run_dir).values())
+    folder = {"shards": run_dir / "buffer" / "shards", "ledger": run_dir / "buffer" / "ledger",
+              "metrics": run_dir / "metrics", "generator_metrics": run_dir / "generator_metrics"}[kind]
+    on_disk = [n for n in os.listdir(folder) if n.endswith(".parquet")]
+    assert len(on_disk) == 1                               # no orphan c-file, no replaced file left
+    BufferDir(run_dir / "buffer").clean_tmp()
+    assert os.listdir(run_dir / "buffer" / "tmp") == []
+
+
+def test_compactor_daemon_merges_every_kind_while_a_trainer_pulls_and_readers_query(run_dir):
+    """The daemon (fast settings), a trainer process pulling and writing metrics, and a SQL reader, together."""
+    _fill(run_dir / "buffer", 400, flush_groups=4)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    from pipeline.config import load_config, save_config
+    save_config(load_config(None, []), run_dir / "config.toml")
+    comp = subprocess.Popen([sys.executable, "-m", "pipeline", "compactor", "--run", str(run_dir),
+                             "--set", "compactor.every_s=0.3", "--set", "compactor.min_age_s=0",
+                             "--set", "compactor.grace_s=1"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(run_dir), "80"], cwd=REPO, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen, errors = [], []
+    try:
+        while trainer.poll() is None:
+            try:
+                seen.append(_reader_check(run_dir))
+            except Exception as e:  # noqa: BLE001 - counted: there must be none
+                errors.append(repr(e))
+        out, err = trainer.communicate(timeout=60)
+        assert trainer.returncode == 0, err
+        time.sleep(1.5)                                    # one more pass after the trainer's last files
+    finally:
+        comp.send_signal(signal.SIGTERM)
+        comp.communicate(timeout=30)
+    assert errors == [] and seen and all(ok for ok, _ in seen)
+    assert [n for _, n in seen] == sorted(n for _, n in seen)     # consumption only grows
+    assert _consumed_counts(run_dir) == (320, 320)                 # 80 steps x 4 groups, each once
+    assert BufferSQL(run_dir).query("SELECT count(*) n, count(DISTINCT step) d FROM metrics").to_pylist() == [
+        {"n": 80, "d": 80}]
+    live = live_files(run_dir)
+    assert live["ledger"] <= 3 and live["metrics"] <= 3 and live["shards"] <= 3, live
+    again = _pull_steps(run_dir / "buffer", 20, n=4, first_step=41, as_of_step=40)   # resume at step 40
+    assert _consumed_counts(run_dir) == (240, 240)
+    assert len(set(sum(again, []))) == 80
+    with Sampler(run_dir / "buffer") as s:
+        assert s.counts(0, None)["consumed"] == 240
+
+
+def _consumed_counts(run) -> tuple[int, int]:
+    r = BufferSQL(run).query("SELECT count(*) n, count(DISTINCT group_id) d FROM consumed").to_pylist()[0]
+    return r["n"], r["d"]
+
+
+def _reader_check(run) -> tuple[bool, int]:
+    """(every count consistent, groups consumed) from one query on fresh views."""
+    q = ("SELECT (SELECT count(*) FROM rollouts) AS rows, (SELECT count(DISTINCT group_id) FROM rollouts) AS groups, "
+         "(SELECT count(*) FROM consumed) AS uses, (SELECT count(DISTINCT group_id) FROM consumed) AS used")
+    r = BufferSQL(run).query(q).to_pylist()[0]
+    return (r["rows"] == 1600 and r["groups"] == 400 and r["uses"] == r["used"] and r["uses"] % 4 == 0), r["uses"]
+
+
+_TRAINER = """
+import sys, time
+from pathlib import Path
+from buffer import Sampler
+from workers.trainer.metrics import MetricsWriter
+run, steps = Path(sys.argv[1]), int(sys.argv[2])
+m = MetricsWriter(run / "metrics", flush_seconds=0.0)
+with Sampler(run / "buffer") as s:
+    for step in range(1, steps + 1):
+        b = s.pull(4, trainer_version=0, trainer_step=step, max_staleness=None)
+        assert b is not None, step
+        m.add({"step": step, "groups": b.num_groups})
+        time.sleep(0.03)
+"""
+
+
+def test_merged_files_name_their_sources_in_row_order(buf):
+    _fill(buf, 30, flush_groups=5)
+    names = BufferDir(buf).live_shard_names()
+    compact(buf, target_groups=1000, min_age_s=0.0, grace_s=3600.0)
+    (c,) = BufferDir(buf).live_shards()
+    from buffer.fileset import read_sources
+    sources = read_sources(pq.read_metadata(c))
+    assert [s for s, _ in sources] == names and [n for _, n in sources] == [20] * 6
+    rows = pq.read_table(c, columns=["group_id"]).column(0).to_pylist()
+    assert np.all(np.diff([int(g.split("-")[1]) for g in rows[::G]]) == 1)
