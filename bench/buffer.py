@@ -203,10 +203,10 @@ def build(root: Path, data: Data, n_groups: int, flush_groups: int, fsync: bool)
             log(f"  build {root.name}: {i + 1:,}/{n_groups:,} groups, {time.perf_counter() - t0:.1f} s")
     w.close()
     dt = time.perf_counter() - t0
-    size = sum(p.stat().st_size for p in w.shards_written)
+    size = sum(p.stat().st_size for p in root.glob("shards/*.parquet"))
     log(f"built {root.name}: {n_groups:,} groups in {dt:.1f} s "
         f"({n_groups * GROUP_SIZE / dt:,.0f} traj/s incl. data generation), "
-        f"{len(w.shards_written)} shards, {size / 2**20:.0f} MiB")
+        f"{w.num_shards_written} shards, {size / 2**20:.0f} MiB")
     return {"seconds": dt, "traj_per_s": n_groups * GROUP_SIZE / dt, "bytes": size}
 
 

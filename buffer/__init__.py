@@ -18,7 +18,7 @@ _WHERE = {
                     "buffer.index"),
     **dict.fromkeys(["BufferDir", "BufferError", "StorageError", "find_buffer"], "buffer.layout"),
     **dict.fromkeys(["ORDERS", "Batch", "Sampler"], "buffer.sampler"),
-    **dict.fromkeys(["LEDGER_SCHEMA", "ROLLOUT_COLUMN_DOCS", "ROLLOUT_SCHEMA", "staleness"], "buffer.schema"),
+    **dict.fromkeys(["FILTER_REASONS", "LEDGER_SCHEMA", "ROLLOUT_COLUMN_DOCS", "ROLLOUT_SCHEMA", "staleness"], "buffer.schema"),
     **dict.fromkeys(["BufferSQL", "SqlError", "check_read_only", "offline_connection"], "buffer.sql"),
     "ShardWriter": "buffer.writer",
 }

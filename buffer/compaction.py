@@ -47,6 +47,12 @@ from buffer.schema import parquet_write_options
 LEDGER_TARGET_ROWS = 262_144   # ledger records per merged ledger file (one per group pulled)
 
 
+# Per buffer: shard name -> (inode, mtime_ns, groups), so that compact() reads each footer once
+# (files never change; on a buffer of a million groups a c-file's footer, which names its sources,
+# is hundreds of KB). The inode and mtime guard against a buffer rebuilt under the same path.
+_GROUP_COUNTS: dict[Path, dict[str, tuple[int, int, int]]] = {}
+
+
 @dataclass
 class CompactionReport:
     merged_files: int = 0
@@ -65,12 +71,19 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
     with d.lock:
         now = time.time()
         candidates: list[tuple[Path, int]] = []
+        cache = _GROUP_COUNTS.get(d.root, {})
+        seen: dict[str, tuple[int, int, int]] = {}
         for p in fs.live():
             try:
-                if now - p.stat().st_mtime < min_age_s:
+                st = p.stat()
+                if now - st.st_mtime < min_age_s:
                     continue
-                meta = pq.read_metadata(p)
-                groups = _group_count(meta)
+                hit = cache.get(p.name)
+                if hit is not None and hit[:2] == (st.st_ino, st.st_mtime_ns):
+                    groups = hit[2]
+                else:
+                    groups = _group_count(pq.read_metadata(p))
+                seen[p.name] = (st.st_ino, st.st_mtime_ns, groups)
             except FileNotFoundError:
                 continue
             except Exception as e:  # noqa: BLE001 - unreadable footer
@@ -79,6 +92,7 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
                 continue
             if groups < target_groups:
                 candidates.append((p, groups))
+        _GROUP_COUNTS[d.root] = seen   # bounded: only the live (sealed) names stay
         batches = [b for b in _batches(candidates, target_groups) if len(b) >= min_files]
         generation = fs.read_manifest().generation + 1
         new, sources = [], []

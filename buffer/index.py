@@ -15,12 +15,20 @@ footer's sources (buffer/fileset.py): a group from a source this index read
 before, and no longer holds, was dropped, not new. The index then holds the
 groups that may still be pulled, whatever the length of the run.
 
+Retention (buffer/retention.py) removes whole shards whose groups are all too
+old to be pulled; when such a shard leaves the live list without its groups
+moving to a c-file, `refresh` retires its groups (in any index, retire=True or
+not): counted as filtered, consumed or expired (their real state), never as
+unavailable, and dropped from the arrays. It knows such a shard by the bound
+retention records before removing anything (all the shard's groups are older)
+and by its absence from quarantine/.
+
 States of a group for a trainer at version t with limit max_staleness (None =
 unlimited) and a reuse count R (times a group may be trained on):
 
     filtered     all rewards equal: never sampled
     consumed     trained on R times
-    unavailable  its shard was quarantined after it was indexed
+    unavailable  its shard was quarantined (or went away, not by compaction or retention) after it was indexed
     future       version > t (sampled by weights of an undone timeline, after a resume)
     expired      staleness(t, version) > max_staleness
     eligible     everything else: may be pulled
@@ -39,7 +47,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from buffer.fileset import read_sources
-from buffer.layout import BufferDir, is_ledger_c_name, ledger_range
+from buffer.layout import BufferDir, BufferError, is_ledger_c_name, ledger_range
+from buffer.retention import read_floor
 from buffer.schema import FILTER_REASONS, INDEX_COLUMNS, staleness
 
 ELIGIBLE, CONSUMED, FILTERED, EXPIRED, FUTURE, UNAVAILABLE = range(6)
@@ -138,23 +147,50 @@ class GroupIndex:
         for name in live_names:
             if name not in self._file_of and name not in self.unreadable:
                 self._index_shard(self.dir.shards / name)
-        live_set = set(live_names)
-        gone = [name for name in self._file_of if name not in live_set]
-        for name in gone:
-            fidx = self._file_of.pop(name)
-            lost = self.file_idx.view == fidx
-            self.available.view[lost] = False
         ledger_names = self.dir.ledger_shard_names()
         for name in ledger_names:
             if name not in self._ledger_seen:
                 self._read_ledger(name)
         # Sources of merged ledger files are never listed again: forget them (bounded).
         self._ledger_seen.intersection_update(ledger_names)
+        # Files that went away (after the ledger: every use of a retired group is counted by now).
+        live_set = set(live_names)
+        gone = [name for name in self._file_of if name not in live_set]
+        if gone:
+            self._follow_gone(gone)
         if self.retire:
             self._drop_retired()
             old = self._refreshes - 3   # a record that raced its shard's listing is matched by now
             for gid in [g for g, (_, r) in self._early_uses.items() if r < old]:
                 del self._early_uses[gid]
+
+    def _follow_gone(self, names: list[str]) -> None:
+        """Groups of shards that left the live list without moving to a c-file: retired or unavailable.
+
+        A shard retention removed (buffer/retention.py: not quarantined, and all its
+        remaining groups below the bound retention recorded) has its groups retired:
+        counted as filtered, consumed or expired, and dropped. Any other (quarantined
+        by another process, or lost) leaves them unavailable.
+        """
+        floor = None
+        retired = np.zeros(len(self.group_ids), dtype=np.bool_)
+        for name in names:
+            fidx = self._file_of.pop(name)
+            lost = self.file_idx.view == fidx
+            if not lost.any():
+                continue   # every group moved to a c-file
+            if floor is None:
+                try:
+                    floor = read_floor(self.dir.root)
+                except BufferError:   # unreadable record: the groups stay unavailable, as without retention
+                    floor = None
+                floor = np.iinfo(np.int64).min if floor is None else floor
+            if self.version.view[lost].max() < floor and not (self.dir.quarantine_dir / name).exists():
+                retired |= lost
+            else:
+                self.available.view[lost] = False
+        if retired.any() and not self._retire_rows(retired):
+            self.available.view[retired] = False
 
     def _read_ledger(self, name: str) -> None:
         """Count the uses in one ledger file (as of `as_of_step`); in a merged one, only sources not read."""
@@ -302,25 +338,35 @@ class GroupIndex:
         n_dead = int(dead.sum())
         if n_dead < max(self.DROP_AT, len(self.group_ids) // 2):
             return   # amortised: each drop costs O(groups held)
-        version = self.version.view[dead]
+        self._retire_rows(dead)
+
+    def _retire_rows(self, mask: np.ndarray) -> bool:
+        """Count the groups where `mask` (shape (n,)) is True as retired, at their version, then drop them.
+
+        Each counts as filtered (a filter reason), else consumed (used `reuse` times), else
+        expired (a shard retention removed). False, and nothing done, if a version is
+        negative (versions are >= 0; never drop what could not be counted).
+        """
+        version = self.version.view[mask]
         if len(version) and version.min() < 0:
-            return   # versions are >= 0; never drop what could not be counted
-        reason = self.reason.view[dead]
-        state = np.where(reason > 0, FILTERED, CONSUMED)
-        top = int(version.max()) + 1
+            return False
+        reason = self.reason.view[mask]
+        state = np.where(reason > 0, FILTERED, np.where(self.use_count.view[mask] >= self.reuse, CONSUMED, EXPIRED))
+        top = int(version.max(initial=-1)) + 1
         if top > len(self._retired_states):
             grown = np.zeros((max(top, 2 * len(self._retired_states)), len(STATE_NAMES)), np.int64)
             grown[: len(self._retired_states)] = self._retired_states
             self._retired_states = grown
         np.add.at(self._retired_states, (version, state), 1)
         self._retired_reasons += np.bincount(reason, minlength=len(self._retired_reasons))
-        self.retired += n_dead
-        keep = ~dead
+        self.retired += len(version)
+        keep = ~mask
         for col in (self.version, self.reason, self.created_us, self.group_size, self.reward_mean, self.use_count,
                     self.available, self.file_idx, self.row_group, self.row_start):
             col.keep(keep)
         self.group_ids = [g for g, k in zip(self.group_ids, keep.tolist()) if k]
         self.id_to_idx = {g: i for i, g in enumerate(self.group_ids)}
+        return True
 
     # -- states and counts -------------------------------------------------------
     def states(self, trainer_version: int, max_staleness: int | None, reuse: int = 1) -> np.ndarray:

@@ -9,15 +9,18 @@ Views, rebuilt from the manifest on every query so they follow the daemons:
     generator_metrics  one row per generator batch: wait_s, seconds, ... (idle share =
                  sum(wait_s) / sum(seconds); only when the run's generators have written some)
     quarantined  shards moved aside, with the reason
+    archived_rollouts  the columns of rollouts, over the shards retention moved to
+                 <buffer>/archive/shards/ (only when there are some; buffer/retention.py):
+                 a shard is in exactly one of rollouts and archived_rollouts
 
 An empty buffer gives empty views, not an error. A user's query cannot change
 anything on disk, by two guards: only SELECT statements (and EXPLAIN of one)
 are accepted, and DuckDB's external access is switched off with only the live
-files allowed and the configuration locked, so COPY, ATTACH, EXPORT, INSTALL
-and table functions over any other path fail. DuckDB's `allowed_paths` lets
-the listed files be written as well as read (COPY ... TO a live shard with
-USE_TMP_FILE false succeeds on a bare connection), so for those files the
-statement check is the one guard.
+files (and the archived shards) allowed and the configuration locked, so COPY,
+ATTACH, EXPORT, INSTALL and table functions over any other path fail. DuckDB's
+`allowed_paths` lets the listed files be written as well as read (COPY ... TO
+a live shard with USE_TMP_FILE false succeeds on a bare connection), so for
+those files the statement check is the one guard.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from buffer.layout import BufferDir, BufferError, find_buffer, run_file_set
+from buffer.retention import archived_shards
 from buffer.schema import LEDGER_SCHEMA, ROLLOUT_SCHEMA
 
 
@@ -158,6 +162,15 @@ class BufferSQL:
         metrics = [p for p in metrics if p.name not in self.skipped]
         return shards, ledger, metrics
 
+    def _archived(self, shards: list[Path]) -> list[Path]:
+        """Archived shards (buffer/retention.py) that are not among the live `shards`.
+
+        Retention links a shard into the archive before its manifest write, and the
+        live shards are listed first, so each shard is in exactly one of the two lists.
+        """
+        live = {p.name for p in shards}
+        return [p for p in archived_shards(self.buffer_root) if p.name not in live and p.name not in self.skipped]
+
     def _generator_metrics(self) -> list[Path]:
         d = self.generator_metrics_dir
         return run_file_set(d, "generator_metrics").live() if d is not None else []
@@ -165,15 +178,18 @@ class BufferSQL:
     def connect(self) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory connection with the views over the current files, locked down."""
         shards, ledger, metrics = self._files()
-        self._listed = shards + ledger + metrics
+        archived = self._archived(shards)
+        self._listed = shards + ledger + metrics + archived
         gen_metrics = [p for p in metrics if self.generator_metrics_dir is not None
                        and p.parent == self.generator_metrics_dir]
         metrics = [p for p in metrics if p not in gen_metrics]
         con = offline_connection()
-        con.execute("SET allowed_paths = ?", [[str(p) for p in shards + ledger + metrics + gen_metrics]])
-        for name, files, schema in (("rollouts", shards, ROLLOUT_SCHEMA), ("consumed", ledger, LEDGER_SCHEMA)):
+        con.execute("SET allowed_paths = ?", [[str(p) for p in shards + ledger + metrics + gen_metrics + archived]])
+        for name, files, schema in (("rollouts", shards, ROLLOUT_SCHEMA), ("consumed", ledger, LEDGER_SCHEMA),
+                                    ("archived_rollouts", archived, ROLLOUT_SCHEMA)):
             if not files:
-                con.execute(f"CREATE VIEW {name} AS {_empty_select(schema)}")
+                if name != "archived_rollouts":   # like metrics: only when there are files
+                    con.execute(f"CREATE VIEW {name} AS {_empty_select(schema)}")
                 continue
             try:
                 con.execute(f"CREATE VIEW {name} AS {_scan_sql(files, schema, self._union)}")
@@ -247,10 +263,11 @@ class BufferSQL:
         if isinstance(e, (duckdb.PermissionException,)):
             return False
         shards, ledger, metrics = self._files()
-        named = [p for p in shards + ledger + metrics if str(p) in msg]
+        files = shards + ledger + metrics + self._archived(shards)
+        named = [p for p in files if str(p) in msg]
         if not named and isinstance(e, (duckdb.IOException, duckdb.InvalidInputException)):
-            named = [p for p in shards + ledger + metrics if not _readable(p)]
-            if not named and any(not p.exists() for p in shards + ledger + metrics):
+            named = [p for p in files if not _readable(p)]
+            if not named and any(not p.exists() for p in files):
                 return True  # a compacted-away file vanished: the next listing is current
         if not named:
             return False

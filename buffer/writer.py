@@ -134,6 +134,8 @@ encoders, or more shards in flight, were no faster on 2 cores."""
 
 MAX_IN_FLIGHT = FLUSH_THREADS + 2
 """Shards a writer may have handed off and not yet made visible (bounds memory)."""
+SHARDS_REMEMBERED = 4096
+"""`ShardWriter.shards_written` keeps the newest this many paths (a writer runs for days)."""
 
 
 @dataclass
@@ -171,7 +173,8 @@ class ShardWriter:
         self._next_group = 0   # groups appended
         self._pending: list[tuple[Group, str, float]] = []
         self._oldest_pending: float | None = None
-        self.shards_written: list[Path] = []
+        self.shards_written: deque[Path] = deque(maxlen=SHARDS_REMEMBERED)   # the newest, oldest first
+        self.num_shards_written = 0
         self.background = background
         self._pool: ThreadPoolExecutor | None = None        # builds and encodes shards
         self._committer: ThreadPoolExecutor | None = None   # writes, fsyncs, renames them in order
@@ -218,11 +221,11 @@ class ShardWriter:
     def flush(self) -> Path | None:
         """Write every waiting group as one shard (tmp, then rename) and wait until every shard
         of this writer is visible. Returns the last shard made visible, None if nothing waited."""
-        before = len(self.shards_written)
+        before = self.num_shards_written
         if self._pending:
             self._submit()
         self._reap(keep=0)
-        return self.shards_written[-1] if len(self.shards_written) > before else None
+        return self.shards_written[-1] if self.num_shards_written > before else None
 
     def wait(self) -> None:
         """Wait until every shard handed to the flush threads is visible; queued groups stay queued."""
@@ -310,6 +313,7 @@ class ShardWriter:
                 raise
             self._inflight.popleft()
             self.shards_written.append(job.final)
+            self.num_shards_written += 1
 
     def _build_table(self, pending: list[tuple[Group, str, float]]) -> pa.Table:
         """One Arrow table of the waiting groups, built column by column.

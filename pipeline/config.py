@@ -182,6 +182,14 @@ def check_consistency(cfg: Config) -> None:
     if cfg.generator.backend == "vllm" and cfg.model.path is None:
         raise ConfigError("generator.backend = 'vllm' needs model.path (a local HF model folder); the "
                           "embedded tiny model runs with the 'hf' backend")
+    keep, limit = cfg.compactor.keep_versions, cfg.trainer.max_staleness
+    if keep is not None and limit is None:
+        raise ConfigError(f"compactor.keep_versions ({keep}) needs trainer.max_staleness set (it is none): "
+                          "without a staleness limit every unconsumed group may still be pulled, so none may "
+                          "leave the hot buffer; set trainer.max_staleness, or compactor.keep_versions = none")
+    if keep is not None and keep < limit:
+        raise ConfigError(f"compactor.keep_versions ({keep}) must be at least trainer.max_staleness ({limit}): "
+                          "retention would remove groups the trainer may still pull")
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:

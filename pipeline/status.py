@@ -1,18 +1,28 @@
 """`asyncgrpo status`: what is in a buffer, per state and per range of versions.
 
-One DuckDB query reads the per-group columns of every live shard (version,
-size, filter flag and reason, mean reward: no token or text columns) and joins
-the ledger's use counts; the states come from the function the sampler uses
-(`buffer.index.group_states`), so status and sampling cannot disagree.
+The fast path reads no group ids and joins nothing, so it stays under a second
+on a buffer of a million groups: one DuckDB scan of the first row of every
+group (sample_index = 0: version, size, filter flag and reason, mean reward)
+summed per (file, version, filter reason), and one scan of the ledger's
+records that used a group up for good (use_index = reuse - 1) counted per
+group version. Every group of a version has the same state but for filtered
+and consumed, so these sums give every state: the states come from the
+function the sampler uses (`buffer.index.group_states`), applied to the
+summed rows, so status and sampling cannot disagree.
 
-The query checks that every group's `group_size` rows are contiguous in one
-file, as the writer puts them; if one is not, or a file cannot be read, status falls back to a `GroupIndex`
-(quarantine off), which names each bad shard and leaves it out.
+Each file's rows must add up to its groups' sizes; if they do not (a partial
+group, or one split over files), or a file cannot be read, status falls back
+to a `GroupIndex` (quarantine off), which names each bad shard and leaves it
+out.
 
 Versions are summarised in at most `max_ranges` ranges of a round width
 (1, 2, 5, 10, 20, 50, ... versions, aligned to multiples of it): counts are
 summed, the mean reward is weighted by completions and the filtered share by
-groups. `max_ranges=None` gives one row per version.
+groups. `max_ranges=None` gives one row per version (and `by_version`).
+
+Status counts the hot buffer: shards that retention moved to
+<buffer>/archive/shards/ (buffer/retention.py) are not in the counts; `archive`
+gives their number and bytes, from a listing and a stat each (none is read).
 """
 
 from __future__ import annotations
@@ -27,53 +37,56 @@ import numpy as np
 
 import buffer
 from buffer.layout import BufferDir, find_buffer
+from buffer.retention import archived_shards
 
 if TYPE_CHECKING:
     import duckdb
 
 DEFAULT_MAX_RANGES = 20
 
-# One row per group: its version, the rows (completions) found of it, the columns its
-# state needs, and its uses in the ledger. {uses_from}: the ledger files, or no rows.
-_GROUPS_SQL = """
-WITH uses AS (SELECT group_id, count(*) AS uses FROM {uses_from} GROUP BY group_id),
-groups AS (
-    SELECT group_id, any_value(version) AS version, count(*) AS num_rows, any_value(group_size) AS group_size,
-           any_value(filtered) AS filtered, coalesce(any_value(filter_reason), '') AS filter_reason,
-           any_value(group_reward_mean) AS reward_mean, count(DISTINCT filename) AS files,
-           max(file_row_number) - min(file_row_number) + 1 AS row_span
-    FROM read_parquet($shards, filename = true, file_row_number = true) GROUP BY group_id
-)
-SELECT g.version, g.num_rows, g.group_size, g.filtered, g.filter_reason, g.reward_mean, g.files, g.row_span,
-       coalesce(u.uses, 0) AS uses
-FROM groups g LEFT JOIN uses u USING (group_id)
+# Groups summed per (file, version, filter flag and reason), from each group's first row,
+# with the file's rows: a file whose rows do not add up to its groups' sizes sends status
+# the careful way.
+_CELLS_SQL = """
+SELECT filename, version, coalesce(filtered, false) AS filtered, coalesce(filter_reason, '') AS filter_reason,
+       count(*) FILTER (WHERE sample_index = 0) AS groups,
+       coalesce(sum(group_size) FILTER (WHERE sample_index = 0), 0) AS completions,
+       coalesce(sum(group_reward_mean * group_size) FILTER (WHERE sample_index = 0), 0) AS reward_sum,
+       count(*) AS num_rows
+FROM read_parquet($shards, filename = true) GROUP BY 1, 2, 3, 4
 """
-_NO_LEDGER = "(SELECT NULL::VARCHAR AS group_id WHERE false)"
+# Groups used for the reuse-th time (so consumed for good), per group version.
+_CONSUMED_SQL = "SELECT group_version, count(*) AS n FROM read_parquet($ledger) WHERE use_index = $last GROUP BY 1"
 
 
 @dataclass(frozen=True)
-class _Groups:
-    """Per-group arrays of a buffer, shape (N,) each, and the shards left out (name -> reason)."""
+class _Rows:
+    """Groups of a buffer as rows of shape (N,) each: one group per row (the careful path) or a sum of
+    groups of one version and state (the fast path), with the shards left out (name -> reason).
+
+    weight: groups in the row; completions, reward_sum: their completions and the sum of their rewards.
+    """
 
     version: np.ndarray
     reason: np.ndarray
-    group_size: np.ndarray
-    reward_mean: np.ndarray
     use_count: np.ndarray
     available: np.ndarray
+    weight: np.ndarray
+    completions: np.ndarray
+    reward_sum: np.ndarray
     unreadable: dict[str, str]
 
 
 def _newest_trainer_version(con: duckdb.DuckDBPyConnection, ledger: list[Path]) -> int | None:
-    """The newest trainer version in the newest ledger shard; None without a ledger."""
+    """The newest trainer version in the newest ledger file; None without a ledger."""
     if not ledger:
         return None
     newest = con.execute("SELECT max(trainer_version) FROM read_parquet(?)", [str(ledger[-1])]).fetchone()[0]
     return int(newest)
 
 
-def _read_sql(shards: list[Path], ledger: list[Path]) -> tuple[_Groups, int | None] | None:
-    """Groups and the newest trainer version, read by DuckDB; None if a file fails or a group is partial."""
+def _read_sql(shards: list[Path], ledger: list[Path], reuse: int) -> tuple[_Rows, int | None] | None:
+    """Summed rows and the newest trainer version, read by DuckDB; None if a file fails or a group is partial."""
     import duckdb
 
     con = buffer.offline_connection()
@@ -81,34 +94,53 @@ def _read_sql(shards: list[Path], ledger: list[Path]) -> tuple[_Groups, int | No
         newest = _newest_trainer_version(con, ledger)
         if not shards:
             none = np.zeros(0, np.int64)
-            return _Groups(none, none.astype(np.int8), none, none.astype(np.float64), none,
-                           none.astype(np.bool_), {}), newest
-        sql = _GROUPS_SQL.format(uses_from="read_parquet($ledger)" if ledger else _NO_LEDGER)
-        params = {"shards": [str(p) for p in shards]}
+            return _Rows(none, none.astype(np.int8), none, none.astype(np.bool_), none, none,
+                         none.astype(np.float64), {}), newest
+        cells = con.execute(_CELLS_SQL, {"shards": [str(p) for p in shards]}).fetchnumpy()
+        used: dict[int, int] = {}
         if ledger:
-            params["ledger"] = [str(p) for p in ledger]
-        cols = con.execute(sql, params).fetchnumpy()
+            for v, n in con.execute(_CONSUMED_SQL, {"ledger": [str(p) for p in ledger], "last": reuse - 1}
+                                    ).fetchall():
+                used[int(v)] = int(n)
     except duckdb.Error:
         return None
     finally:
         con.close()
-    whole = (cols["num_rows"] == cols["group_size"]) & (cols["files"] == 1) & (cols["row_span"] == cols["num_rows"])
-    if not whole.all():  # a group partial, split over files or not contiguous: the index decides
-        return None
-    groups = _Groups(cols["version"], buffer.reason_codes(cols["filter_reason"].tolist(), cols["filtered"]),
-                     cols["group_size"], cols["reward_mean"], cols["uses"],
-                     np.ones(len(cols["version"]), np.bool_), {})
-    return groups, newest
+    _, file_at = np.unique(cells["filename"], return_inverse=True)
+    if not np.array_equal(np.bincount(file_at, weights=cells["num_rows"]),
+                          np.bincount(file_at, weights=cells["completions"])):
+        return None   # a file's rows do not add up to its groups: the index names the bad one
+    keep = cells["groups"] > 0
+    version = cells["version"][keep].astype(np.int64)
+    reason = buffer.reason_codes(list(cells["filter_reason"][keep]), cells["filtered"][keep])
+    weight, completions = cells["groups"][keep].astype(np.int64), cells["completions"][keep].astype(np.int64)
+    reward_sum = cells["reward_sum"][keep].astype(np.float64)
+    # Split each version's learnable groups into consumed and not: a second row per cell, of the consumed.
+    consumed = np.zeros(len(version), np.int64)
+    for v, n in used.items():
+        for i in np.flatnonzero((version == v) & (reason == 0)):
+            take = min(n, int(weight[i]))
+            consumed[i] = take
+            n -= take
+            if n == 0:
+                break
+    zero = np.zeros(len(version), np.int64)
+    rows = _Rows(np.concatenate([version, version]), np.concatenate([reason, reason]),
+                 np.concatenate([zero, zero + reuse]), np.ones(2 * len(version), np.bool_),
+                 np.concatenate([weight - consumed, consumed]), np.concatenate([completions, zero]),
+                 np.concatenate([reward_sum, zero.astype(np.float64)]), {})
+    return rows, newest
 
 
-def _read_index(root: Path, ledger: list[Path]) -> tuple[_Groups, int | None]:
+def _read_index(root: Path, ledger: list[Path]) -> tuple[_Rows, int | None]:
     """The careful path: a buffer.GroupIndex checks every shard and skips (does not move) bad ones."""
     index = buffer.GroupIndex(root, quarantine=False)
-    groups = _Groups(index.version.view, index.reason.view, index.group_size.view, index.reward_mean.view,
-                     index.use_count.view, index.available.view, dict(index.unreadable))
+    size = index.group_size.view.astype(np.int64)
+    rows = _Rows(index.version.view, index.reason.view, index.use_count.view, index.available.view,
+                 np.ones(len(size), np.int64), size, index.reward_mean.view * size, dict(index.unreadable))
     con = buffer.offline_connection()
     try:
-        return groups, _newest_trainer_version(con, ledger)
+        return rows, _newest_trainer_version(con, ledger)
     finally:
         con.close()
 
@@ -126,29 +158,52 @@ def range_width(versions: np.ndarray, max_rows: int) -> int:
                 return width
 
 
-def version_ranges(g: _Groups, states: np.ndarray, width: int) -> list[dict]:
+def _sums(at: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    """Integer sums of `weights` per key `at` in [0, n)."""
+    return np.rint(np.bincount(at, weights=weights, minlength=n)).astype(np.int64)
+
+
+def weighted_counts(g: _Rows, states: np.ndarray, *, by_version: bool) -> dict:
+    """Groups per state, filtered per reason, admitted, and (by_version) states per version (nonzero only)."""
+    names = buffer.STATE_NAMES
+    per_state = _sums(states, g.weight, len(names))
+    reasons = _sums(g.reason.astype(np.int64), g.weight, len(buffer.FILTER_REASONS) + 1)
+    out = {"groups": int(g.weight.sum()), **{name: int(per_state[i]) for i, name in enumerate(names)}}
+    out["filtered_by_reason"] = {r: int(reasons[i + 1]) for i, r in enumerate(buffer.FILTER_REASONS)}
+    out["admitted"] = out["groups"] - out["filtered"]
+    if by_version:
+        versions, at = np.unique(g.version, return_inverse=True)
+        table = _sums(at * len(names) + states, g.weight, len(versions) * len(names)).reshape(len(versions), -1)
+        out["by_version"] = {int(v): {name: int(row[i]) for i, name in enumerate(names) if row[i]}
+                             for v, row in zip(versions, table)}
+    return out
+
+
+def version_ranges(g: _Rows, states: np.ndarray, width: int) -> list[dict]:
     """One row per range of `width` versions holding a group, lowest first.
 
     first/last: lowest and highest version present in the range; groups, completions and
     each state: summed over the range; reward_mean: sum of rewards / completions over every
     completion of the range (groups weighted by their size); filtered_share: filtered / groups.
     """
-    keys, at = np.unique(g.version // width, return_inverse=True)                        # (R,), (N,)
+    present = (g.weight > 0) | (g.completions > 0)   # a row of consumed groups has weight, its twin the sums
+    version, states = g.version[present], states[present]
+    keys, at = np.unique(version // width, return_inverse=True)                          # (R,), (N,)
     n = len(keys)
-    groups = np.bincount(at, minlength=n)
-    completions = np.bincount(at, weights=g.group_size, minlength=n)
-    reward_sum = np.bincount(at, weights=g.reward_mean * g.group_size, minlength=n)
+    groups = _sums(at, g.weight[present], n)
+    completions = _sums(at, g.completions[present], n)
+    reward_sum = np.bincount(at, weights=g.reward_sum[present], minlength=n)
     first = np.full(n, np.iinfo(np.int64).max)
-    np.minimum.at(first, at, g.version)
+    np.minimum.at(first, at, version)
     last = np.full(n, np.iinfo(np.int64).min)
-    np.maximum.at(last, at, g.version)
-    per_state = np.bincount(at * len(buffer.STATE_NAMES) + states, minlength=n * len(buffer.STATE_NAMES))
-    per_state = per_state.reshape(n, len(buffer.STATE_NAMES))                                    # (R, states)
-    filtered = buffer.STATE_NAMES.index("filtered")
+    np.maximum.at(last, at, version)
+    names = buffer.STATE_NAMES
+    per_state = _sums(at * len(names) + states, g.weight[present], n * len(names)).reshape(n, len(names))
+    filtered = names.index("filtered")
     return [{"first": int(first[r]), "last": int(last[r]), "groups": int(groups[r]),
              "completions": int(completions[r]), "reward_mean": float(reward_sum[r] / completions[r]),
              "filtered_share": float(per_state[r, filtered] / groups[r]),
-             **{name: int(per_state[r, i]) for i, name in enumerate(buffer.STATE_NAMES)}}
+             **{name: int(per_state[r, i]) for i, name in enumerate(names)}}
             for r in range(n)]
 
 
@@ -164,13 +219,13 @@ def buffer_status(path: str | os.PathLike, *, trainer_version: int | None = None
     d = BufferDir(root)
     shards = d.live_shards()
     ledger = d.ledger_shards()
-    g, newest = _read_sql(shards, ledger) or _read_index(root, ledger)
+    g, newest = _read_sql(shards, ledger, reuse) or _read_index(root, ledger)
     t = trainer_version
     if t is None:
         t = newest if newest is not None else int(g.version.max()) if len(g.version) else 0
     states = buffer.group_states(g.version, g.reason, g.use_count, g.available, t, max_staleness, reuse)
-    counts = buffer.state_counts(states, g.reason, g.version)
-    width = 1 if max_ranges is None else range_width(g.version, max_ranges)
+    counts = weighted_counts(g, states, by_version=max_ranges is None)
+    width = 1 if max_ranges is None else range_width(g.version[g.weight > 0], max_ranges)
 
     def size(paths):
         total = 0
@@ -182,18 +237,20 @@ def buffer_status(path: str | os.PathLike, *, trainer_version: int | None = None
         return total
 
     quarantined = d.quarantined()
+    archived = archived_shards(root)   # a listing and a stat each: the archive is not read
     return {
         "buffer": str(root),
         "trainer_version": t,
         "max_staleness": max_staleness,
         "reuse": reuse,
         **counts,
-        "completions": int(g.group_size.sum()),
+        "completions": int(g.completions.sum()),
         "version_range_width": width,
         "version_ranges": version_ranges(g, states, width),
         "files": {"shards": len(shards), "shard_bytes": size(shards),
                   "ledger": len(ledger), "ledger_bytes": size(ledger),
                   "quarantined": len(quarantined), "unreadable_now": len(g.unreadable)},
+        "archive": {"files": len(archived), "bytes": size(archived)},
         "unreadable": g.unreadable,
         "quarantined": quarantined,
     }
@@ -219,6 +276,10 @@ def print_status(r: dict) -> None:
     c.print(f"{r['groups']} groups, {r['completions']} completions in {f['shards']} shards "
             f"({_human_bytes(f['shard_bytes'])}); ledger {f['ledger']} files "
             f"({_human_bytes(f['ledger_bytes'])}); quarantined {f['quarantined']}")
+    a = r["archive"]
+    if a["files"]:   # retention (compactor.keep_versions) moved shards there: not in the counts below
+        c.print(f"archive: {a['files']} shards ({_human_bytes(a['bytes'])}) in archive/shards/, not counted "
+                "here (SQL: archived_rollouts)")
     t = Table("state", "groups", title="groups per state")
     for s in buffer.STATE_NAMES:
         t.add_row(s, str(r[s]))

@@ -292,3 +292,15 @@ def test_background_flush_failure_stops_later_shards_and_requeues_their_groups(b
     assert got == [{"group_id": g, "n": 2} for g in ids + ["w000000-00000006"]]
     assert [pq.read_table(p).column("group_id").to_pylist()[::2] for p in w.shards_written] == \
         [ids[0:2], ids[2:6] + ["w000000-00000006"]]
+
+
+def test_a_writer_remembers_only_its_newest_shards(tmp_path, monkeypatch):
+    """A writer runs for days: its list of written shards is bounded, its count is not."""
+    import buffer.writer
+
+    monkeypatch.setattr(buffer.writer, "SHARDS_REMEMBERED", 2)
+    with ShardWriter(tmp_path / "b", flush_groups=1, flush_seconds=None) as w:
+        for i in range(5):
+            w.append(make_group(0, [1, 0], prompt_id=f"p{i}", seed=i))
+    assert w.num_shards_written == 5
+    assert [p.name for p in w.shards_written] == [f"{w.writer_id}-00000{i}.parquet" for i in (3, 4)]

@@ -100,8 +100,8 @@ def test_summary_has_few_ranges_covering_every_version_with_exact_sums(many_vers
     for key in ("groups", "completions", "eligible", "consumed", "filtered", "expired", "future"):
         assert sum(r[key] for r in rows) == s[key], key
     # the same states, per version, as the index the sampler uses
-    counts = GroupIndex(buf, quarantine=False).counts(TRAINER_VERSION, MAX_STALENESS)
-    assert {k: s[k] for k in counts} == json.loads(json.dumps(counts))
+    counts = GroupIndex(buf, quarantine=False).counts(TRAINER_VERSION, MAX_STALENESS, by_version=False)
+    assert {k: s[k] for k in counts} == json.loads(json.dumps(counts)) and "by_version" not in s
 
     fewer = _status_json(buf, "--ranges", "7")["version_ranges"]
     assert len(fewer) == 5  # width 100
@@ -110,8 +110,11 @@ def test_summary_has_few_ranges_covering_every_version_with_exact_sums(many_vers
 
 def test_versions_flag_prints_every_version(many_versions):
     buf, groups = many_versions
-    rows = _status_json(buf, "--versions")["version_ranges"]
+    every = _status_json(buf, "--versions")
+    rows = every["version_ranges"]
     assert [(r["first"], r["last"]) for r in rows] == [(v, v) for v in VERSIONS]
+    counts = GroupIndex(buf, quarantine=False).counts(TRAINER_VERSION, MAX_STALENESS)   # per version, as the index
+    assert {k: every[k] for k in counts} == json.loads(json.dumps(counts))
     _check_rows(rows, groups)
 
     human = run_cli("status", str(buf), "--versions", "--trainer-version", str(TRAINER_VERSION))
@@ -177,3 +180,13 @@ def test_range_width_is_the_smallest_round_one_that_fits(versions, rows, width):
 def test_cli_default_ranges_is_the_library_default():
     [opt] = [p for p in status_command.params if p.name == "max_ranges"]
     assert opt.default == DEFAULT_MAX_RANGES
+
+
+def test_fast_path_counts_consumed_for_good_at_the_reuse_th_use(many_versions):
+    """With reuse 2, a group pulled once is still eligible: status and the index agree."""
+    buf, _ = many_versions
+    for reuse in (1, 2):
+        s = buffer_status(buf, trainer_version=TRAINER_VERSION, max_staleness=MAX_STALENESS, reuse=reuse)
+        counts = GroupIndex(buf, quarantine=False).counts(TRAINER_VERSION, MAX_STALENESS, reuse, by_version=False)
+        assert {k: s[k] for k in counts} == counts and s["unreadable"] == {}
+        assert s["consumed"] == (70 if reuse == 1 else 0)

@@ -12,9 +12,14 @@ The compactor keeps the live file count bounded:
                 than target_groups become c-files of about target_groups groups
             buffer.compact_ledger: ledger files become merged files of about
                 target_rows records, in step order
+            retention (only with keep_versions set): live shards whose groups are all
+                more than keep_versions versions old leave the hot buffer, archived
+                or deleted (buffer/retention.py)
             metrics/ and generator_metrics/: likewise, target_rows rows a file
             in each: files replaced more than grace_s ago are deleted (readers
                 that listed them can still read them until then)
+        DiskWatch: warn when the run directory nears disk_budget_gb, or its disk
+            has less than min_free_gb free (each at most every 10 minutes)
         wait every_s
 
 Each set works under its lock and through its manifest (buffer/fileset.py),
@@ -30,12 +35,16 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import buffer
 from buffer.layout import run_file_set
+from buffer.retention import ACTIONS, RetentionReport, newest_trainer_version, retire_old_shards
 from workers.checks import is_int, is_num, require
 from workers.stop import StopFlag
 
@@ -57,6 +66,22 @@ class CompactorConfig:
     """Groups per merged shard (c-file), >= 2."""
     target_rows: int = 262_144
     """Rows per merged ledger, metrics or generator-metrics file, >= 2."""
+    keep_versions: int | None = None
+    """Retention: rollout shards all of whose groups are more than this many versions behind the
+    trainer leave the hot buffer each pass (see `retention`); only whole files leave. At least
+    trainer.max_staleness (which must be set), so no group that may still be pulled leaves. The
+    trainer's version is its newest in the ledger capped at its oldest checkpoint's step, so a resumed
+    trainer finds every group (nothing leaves before the first checkpoint). None: keep everything."""
+    retention: Literal["archive", "delete"] = "archive"
+    """What happens to the shards keep_versions retires: "archive" moves them to
+    <buffer>/archive/shards/ (SQL view `archived_rollouts`; archive/ may be a symlink to another
+    disk), "delete" removes them (after grace_s)."""
+    disk_budget_gb: float | None = None
+    """Warn (at most every 10 minutes) when the run directory holds more than 90% of this many GB
+    (10^9 bytes; a symlinked archive/ on another disk is not counted), > 0. None: no budget."""
+    min_free_gb: float | None = 1.0
+    """Warn (at most every 10 minutes) when the run directory's filesystem has less than this many GB
+    free, > 0. None: no check."""
 
     def __post_init__(self) -> None:
         require(self, "every_s", self.every_s is None or is_num(self.every_s, 0, lo_open=True),
@@ -65,13 +90,28 @@ class CompactorConfig:
         require(self, "grace_s", is_num(self.grace_s, 0), "a number of seconds >= 0")
         require(self, "target_groups", is_int(self.target_groups, 2), "an integer >= 2")
         require(self, "target_rows", is_int(self.target_rows, 2), "an integer >= 2")
+        require(self, "keep_versions", self.keep_versions is None or is_int(self.keep_versions, 0),
+                "an integer >= 0 (at least trainer.max_staleness), or none (keep everything)")
+        require(self, "retention", self.retention in ACTIONS, "'archive' or 'delete'")
+        require(self, "disk_budget_gb", self.disk_budget_gb is None or is_num(self.disk_budget_gb, 0, lo_open=True),
+                "a number of GB > 0, or none (no budget)")
+        require(self, "min_free_gb", self.min_free_gb is None or is_num(self.min_free_gb, 0, lo_open=True),
+                "a number of GB > 0, or none (no check)")
 
 
 KINDS = ("shards", "ledger", "metrics", "generator_metrics")
+GB = 1e9
+DISK_WARN_EVERY_S = 600.0      # each disk warning at most this often
+BUDGET_SHARE = 0.9             # warn above this share of compactor.disk_budget_gb
+_CHECKPOINT = re.compile(r"^step-(\d+)\.pt$")   # workers/trainer/checkpoint.py's names (it imports torch)
 
 
-def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict[str, buffer.CompactionReport]:
-    """One pass over every file set of the run that exists yet; a report per kind (KINDS)."""
+def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict:
+    """One pass over every file set of the run that exists yet; a CompactionReport per kind (KINDS).
+
+    With cfg.keep_versions set, also a RetentionReport ("retention"), after the merges, so
+    that merged c-files old enough leave too.
+    """
     run = Path(run_dir)
     root = run / "buffer"
     out = {}
@@ -79,6 +119,8 @@ def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict[str, b
     if buffer.BufferDir.is_buffer(root):    # the first generator flush creates it
         out["shards"] = buffer.compact(root, target_groups=cfg.target_groups, **ages)
         out["ledger"] = buffer.compact_ledger(root, target_rows=cfg.target_rows, **ages)
+        if cfg.keep_versions is not None:
+            out["retention"] = retire(run, cfg)
     if (run / "metrics").is_dir():
         out["metrics"] = buffer.compact_small(run_file_set(run / "metrics", "metrics"), target_rows=cfg.target_rows,
                                               sort_by="step", **ages)
@@ -86,6 +128,115 @@ def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict[str, b
         out["generator_metrics"] = buffer.compact_small(run_file_set(run / "generator_metrics", "generator_metrics"),
                                                         target_rows=cfg.target_rows, **ages)
     return out
+
+
+def oldest_checkpoint_step(run_dir: str | os.PathLike) -> int | None:
+    """Step of the oldest trainer checkpoint in <run>/checkpoints/ (names only); None without one."""
+    try:
+        names = os.listdir(Path(run_dir) / "checkpoints")
+    except FileNotFoundError:
+        return None
+    steps = [int(m.group(1)) for n in names if (m := _CHECKPOINT.match(n))]
+    return min(steps, default=None)
+
+
+def retention_version(run_dir: str | os.PathLike) -> int | None:
+    """The trainer version retention measures against: the newest in the ledger, but no newer than the
+    oldest checkpoint's step; None (retire nothing) without a ledger or a checkpoint.
+
+    A resumed trainer starts at one of the checkpoints on disk, at a version >= its step (the
+    version moves by one per step, offline training adds an offset), so a group it may pull
+    is never retired.
+    """
+    step = oldest_checkpoint_step(run_dir)
+    if step is None:
+        return None
+    newest = newest_trainer_version(Path(run_dir) / "buffer")
+    return None if newest is None else min(newest, step)
+
+
+def retire(run_dir: str | os.PathLike, cfg: CompactorConfig) -> RetentionReport:
+    """Retention's pass over the run's buffer (cfg.keep_versions must be set); see buffer/retention.py."""
+    root = Path(run_dir) / "buffer"
+    version = retention_version(run_dir)
+    if version is None:   # no trainer state yet: nothing is known to be too old
+        return RetentionReport(cfg.retention)
+    return retire_old_shards(root, keep_versions=cfg.keep_versions, action=cfg.retention, grace_s=cfg.grace_s,
+                             trainer_version=version)
+
+
+def dir_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files under `path`, each inode once (hard links), symlinks not followed."""
+    total, seen = 0, set()
+    stack = [Path(path)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(Path(e.path))
+                elif e.is_file(follow_symlinks=False):
+                    st = e.stat(follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        total += st.st_size
+            except FileNotFoundError:
+                continue   # deleted meanwhile (compaction's grace deletions)
+    return total
+
+
+class DiskWatch:
+    """The compactor's disk warnings: the run directory over BUDGET_SHARE of compactor.disk_budget_gb,
+    or its filesystem's free space under compactor.min_free_gb; each kind at most once every `every_s`.
+
+    A run of days fills a disk slowly and then fails at once (a generator's flush, the trainer's
+    checkpoint); the warning comes while there is time to act: turn on retention, archive to a
+    bigger disk, or free space.
+    """
+
+    def __init__(self, every_s: float = DISK_WARN_EVERY_S):
+        self.every_s = every_s
+        self._last: dict[str, float] = {}     # kind ("budget", "free") -> when it was last logged
+
+    def _due(self, kind: str, now: float) -> bool:
+        last = self._last.get(kind)
+        return last is None or now - last >= self.every_s
+
+    def check(self, run_dir: str | os.PathLike, cfg: CompactorConfig, now: float | None = None) -> list[str]:
+        """Log (log.warning) and return the warnings due now."""
+        now = time.time() if now is None else now
+        out = []
+        if cfg.disk_budget_gb is not None and self._due("budget", now):
+            used = dir_bytes(run_dir)
+            if used > BUDGET_SHARE * cfg.disk_budget_gb * GB:
+                out.append(("budget", f"run directory {run_dir} holds {used / GB:.2f} GB, over "
+                            f"{BUDGET_SHARE:.0%} of compactor.disk_budget_gb = {cfg.disk_budget_gb:g}; "
+                            + _advice(cfg)))
+        if cfg.min_free_gb is not None and self._due("free", now):
+            try:
+                free = shutil.disk_usage(run_dir).free
+            except FileNotFoundError:
+                free = None
+            if free is not None and free < cfg.min_free_gb * GB:
+                out.append(("free", f"only {free / GB:.2f} GB free on the filesystem of {run_dir}, under "
+                            f"compactor.min_free_gb = {cfg.min_free_gb:g}; " + _advice(cfg)))
+        for kind, msg in out:
+            self._last[kind] = now
+            log.warning("%s", msg)
+        return [msg for _, msg in out]
+
+
+def _advice(cfg: CompactorConfig) -> str:
+    if cfg.keep_versions is None:
+        return ("set compactor.keep_versions (retention: old shards leave the hot buffer) and "
+                "compactor.retention = 'delete' or an archive/ on another disk, or free space")
+    if cfg.retention == "archive":
+        return ("the archive grows: make <buffer>/archive a symlink to a bigger disk, set "
+                "compactor.retention = 'delete', or free space")
+    return "lower compactor.keep_versions, or free space"
 
 
 def live_files(run_dir: str | os.PathLike) -> dict[str, int]:
@@ -109,13 +260,18 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
         with StopFlag() as own:
             return run_compactor(run_dir, cfg, own)
     totals = {"passes": 0, "merged_files": 0, "written_files": 0, "deleted_files": 0, "groups": 0,
-              "quarantined": 0, "seconds": 0.0}
+              "quarantined": 0, "retired_files": 0, "retired_groups": 0, "seconds": 0.0}
     log.info("compacting %s every %.0f s (files older than %.0f s; %d groups a shard, %d rows a ledger/metrics "
              "file)", run_dir, cfg.every_s, cfg.min_age_s, cfg.target_groups, cfg.target_rows)
+    if cfg.keep_versions is not None:
+        log.info("retention: shards more than %d versions behind the trainer's oldest checkpoint are %s",
+                 cfg.keep_versions, "archived to buffer/archive/shards/" if cfg.retention == "archive" else "deleted")
+    disk = DiskWatch()
     while not stop:
         t0 = time.perf_counter()
         reports = compact_run(run_dir, cfg)
         took = time.perf_counter() - t0
+        kept = reports.pop("retention", None)
         totals["passes"] += 1
         totals["seconds"] += took
         for r in reports.values():
@@ -123,10 +279,18 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
                 totals[k] += getattr(r, k)
         if "shards" in reports:
             totals["groups"] += reports["shards"].groups
-        if any(r.merged_files or r.deleted_files or r.quarantined for r in reports.values()):
-            live = live_files(run_dir)
-            log.info("pass in %.2f s: %s; live files %s", took, "; ".join(
-                f"{k} {r.merged_files} -> {r.written_files} (deleted {r.deleted_files})"
-                for k, r in reports.items() if r.merged_files or r.deleted_files), live)
+        if kept is not None:
+            totals["retired_files"] += kept.files
+            totals["retired_groups"] += kept.groups
+            totals["deleted_files"] += kept.deleted_files
+        parts = [f"{k} {r.merged_files} -> {r.written_files} (deleted {r.deleted_files})"
+                 for k, r in reports.items() if r.merged_files or r.deleted_files]
+        if kept is not None and (kept.files or kept.deleted_files):
+            parts.append(f"retention {kept.action}d {kept.files} shards ({kept.groups} groups, all older than "
+                         f"version {kept.below_version}; trainer version {kept.trainer_version}), "
+                         f"deleted {kept.deleted_files}")
+        if parts or any(r.quarantined for r in reports.values()):
+            log.info("pass in %.2f s: %s; live files %s", took, "; ".join(parts), live_files(run_dir))
+        disk.check(run_dir, cfg)
         stop.wait(cfg.every_s)
     return totals

@@ -33,8 +33,11 @@ def sql(path: str, query: str | None, fmt: str, max_width: int) -> None:
     Views: rollouts (one row per completion), groups (one per group),
     consumed (the trainer's ledger), metrics (trainer steps) and
     generator_metrics (generator batches) when the run has them,
-    quarantined (shards set aside). With no QUERY, reads queries from stdin,
-    or opens a prompt when stdin is a terminal. Only SELECT is accepted.
+    quarantined (shards set aside), and archived_rollouts (the columns of
+    rollouts, over the shards retention moved to <buffer>/archive/shards/;
+    see compactor.keep_versions) when there are some. With no QUERY, reads
+    queries from stdin, or opens a prompt when stdin is a terminal. Only
+    SELECT is accepted.
 
     Values print exactly as DuckDB renders them, in every format. csv:
     lines end in "\\n" (no "\\r"), NULL is an empty field, an empty string is "".
@@ -47,6 +50,7 @@ def sql(path: str, query: str | None, fmt: str, max_width: int) -> None:
       asyncgrpo sql runs/demo "SELECT count(*) FROM groups WHERE filtered"
       asyncgrpo sql runs/demo "SELECT version, avg(reward) r FROM rollouts GROUP BY 1 ORDER BY 1"
       asyncgrpo sql runs/demo --format csv "SELECT * FROM consumed" > ledger.csv
+      asyncgrpo sql runs/a "SELECT version, avg(reward) FROM archived_rollouts GROUP BY 1"
       asyncgrpo sql runs/demo          # interactive
     """
     db = buffer.BufferSQL(path)
@@ -63,7 +67,8 @@ def sql(path: str, query: str | None, fmt: str, max_width: int) -> None:
 
 def _interactive(db, fmt: str, max_width: int) -> None:
     import readline  # noqa: F401 - line editing and history for input()
-    click.echo("asyncgrpo sql: views rollouts, groups, consumed, metrics, quarantined. "
+    click.echo("asyncgrpo sql: views rollouts, groups, consumed, metrics, generator_metrics, quarantined, "
+               "archived_rollouts (those a run has). "
                "End a query with ';'. Ctrl-D quits.")
     lines: list[str] = []
     while True:
@@ -111,6 +116,8 @@ def status(path: str, trainer_version: int | None, max_staleness: int | None, re
     States: eligible (may be pulled), consumed, filtered (all rewards equal),
     expired (staler than --max-staleness), future (newer than the trainer),
     unavailable (shard quarantined). Unreadable shards are reported, not moved.
+    Shards archived by retention (compactor.keep_versions) are not counted;
+    their number and bytes are shown on their own line ("archive" in --json).
 
     Per range of versions: groups, completions, mean reward (over completions),
     filtered share (of groups) and groups per state; --versions gives every version.
