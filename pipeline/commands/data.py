@@ -12,11 +12,12 @@ import sys
 import click
 
 import buffer
-from buffer.layout import find_buffer
+from buffer.layout import find_buffer, run_file_set
 from pipeline.demo import run_demo
 from pipeline.errors import UserError, user_errors
 from pipeline.output import print_table
 from pipeline.status import buffer_status, print_status
+from workers.compactor import CompactorConfig
 
 
 @click.command()
@@ -146,18 +147,34 @@ def status(path: str, trainer_version: int | None, max_staleness: int | None, re
               help="Seconds merged-away shards stay on disk for readers that listed them.")
 @user_errors
 def compact(path: str, target_groups: int, min_age: float, grace: float) -> None:
-    """Merge small sealed shards of the buffer at PATH into large ones.
+    """Merge small sealed files of the buffer (or run) at PATH into large ones.
 
+    Rollout shards become c-files of about --target-groups groups; the
+    ledger's one-file-per-pull records, and in a run directory the trainer's
+    and the generators' metrics files, become files of up to 262,144 rows.
     Safe while generators, the trainer and SQL queries run: readers go
-    through the manifest, and replaced files are deleted after --grace.
+    through each kind's manifest, and replaced files are deleted after
+    --grace. (The compactor daemon, which `asyncgrpo run` starts, does this
+    every 30 s.)
 
     \b
     Example:
       asyncgrpo compact runs/demo --min-age 0
     """
-    r = buffer.compact(find_buffer(path), target_groups=target_groups, min_age_s=min_age, grace_s=grace)
+    root = find_buffer(path)
+    r = buffer.compact(root, target_groups=target_groups, min_age_s=min_age, grace_s=grace)
     click.echo(f"merged {r.merged_files} shards ({r.groups} groups) into {r.written_files}; "
                f"deleted {r.deleted_files} replaced shards; quarantined {r.quarantined}")
+    others = {"ledger": buffer.compact_ledger(root, min_age_s=min_age, grace_s=grace)}
+    run = root.parent if root.name == "buffer" else None
+    for kind in ("metrics", "generator_metrics"):
+        if run is not None and (run / kind).is_dir():
+            others[kind] = buffer.compact_small(run_file_set(run / kind, kind), target_rows=CompactorConfig().target_rows,
+                                                min_age_s=min_age, grace_s=grace,
+                                                sort_by="step" if kind == "metrics" else None)
+    for kind, o in others.items():
+        click.echo(f"{kind}: merged {o.merged_files} files ({o.groups} rows) into {o.written_files}; "
+                   f"deleted {o.deleted_files} replaced files")
 
 
 @click.command()
