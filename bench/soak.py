@@ -42,7 +42,10 @@ measures, while everything runs:
                  rebuilt, every footer read): what a user's SQL costs (median of 3 calls, fewer
                  once they have taken 3 s: the daemons share the cores, one call is noisy)
   pull_p50_ms, pull_p99_ms
-                 percentiles of the trainer's successful pulls since the last tenth
+                 percentiles of the trainer's successful pulls since the last tenth, leaving out
+                 those that overlapped this bench's own measurements below (which grow with the
+                 buffer and share the two cores) unless that leaves fewer than a quarter of them
+                 (quiet_pulls: how many counted); pull_p50_all_ms, pull_p99_all_ms: every pull
   status_s       wall time of `pipeline.status.buffer_status(run)` in this process (median as
                  for aggregate_ms): what `asyncgrpo status` costs without Python's start-up
                  (status_cli_s, the CLI as a subprocess, one call, is measured beside it; its
@@ -79,9 +82,21 @@ and last tenth (`*_first`, `*_last`), their ratios, `targets` (the issue's:
 at the last tenth aggregate <= 1 s, pull p99 <= 250 ms, status <= 1 s, live
 files <= 2000; each latency last/first <= 1.5; writer and sampler RSS
 last/first <= 1.25) as booleans, the invariants, and under "real" the real
-part's figures. Exit code: 0 when everything ran and the invariants hold
-(targets are reported, not enforced), 1 on an error or a broken invariant,
-130 on Ctrl-C. The temp dir is removed unless `--keep`.
+part's figures (live files: the maximum, the maxima of the first and second
+half of the minutes and the slope over the second half; RSS per daemon at the
+middle minute and the last, and their ratio; query errors; idle share at
+minute 5 and at the last minute). Exit code: 0 when everything ran and the
+invariants hold (targets are reported, not enforced), 1 on an error (a child
+died, no trainer step for 5 minutes) or a broken invariant, 130 on Ctrl-C;
+every child is stopped either way. The temp dir is removed unless `--keep`.
+`--profile DIR` runs the writer and the trainer under cProfile
+(DIR/writer.prof, DIR/trainer.prof).
+
+Time: the trainer's pull is the critical path (the writer waits on admission
+most of the time), about 17 ms a step on 2 cores with the compactor beside
+it: `--groups 100000 --steps 10000` took 171-206 s, so the default scale
+takes about 30-40 minutes. The "groups" of a tenth's row is the writer's
+count when the coordinator measured (a heartbeat, up to 0.5 s old).
 """
 
 from __future__ import annotations
@@ -195,8 +210,10 @@ def trainer_main(args) -> None:
         os.symlink(str(v), tmp)
         os.replace(tmp, version_file)
 
+    measuring = ctl / "measuring"   # exists while the coordinator runs its SQL / status measurements
     done, pulled, none_pulls, none_s, max_stale = 0, 0, 0, 0.0, 0
-    window: list[float] = []
+    window: list[float] = []        # seconds of each successful pull this tenth
+    busy: list[bool] = []           # ... and whether the coordinator was measuring when it started
     bounds = decile_steps(args.steps)
     k = 0
     t_window = time.perf_counter()
@@ -204,6 +221,7 @@ def trainer_main(args) -> None:
     publish(0)
     try:
         while done < args.steps and not Stop.flag:
+            during = measuring.exists()
             t0 = time.perf_counter()
             batch = sampler.pull(gps, trainer_version=done, trainer_step=done + 1, max_staleness=MAX_STALENESS)
             dt = time.perf_counter() - t0
@@ -213,21 +231,27 @@ def trainer_main(args) -> None:
                 time.sleep(PULL_RETRY_S)
             else:
                 window.append(dt)
+                busy.append(during or measuring.exists())
                 done += 1
                 pulled += batch.num_groups
                 max_stale = max(max_stale, int(batch.staleness.max()))
                 publish(done)
                 while k < DECILES and done >= bounds[k]:
                     ms = np.array(window) * 1e3 if window else np.zeros(1)
+                    quiet = ms[~np.array(busy, dtype=bool)] if window else ms
+                    quiet = quiet if len(quiet) >= max(20, len(ms) // 4) else ms   # too few: every pull
                     write_json(ctl / f"decile-{k + 1:02d}.json", {
-                        "decile": k + 1, "steps": done, "pulls": len(window),
-                        "pull_p50_ms": float(np.percentile(ms, 50)), "pull_p99_ms": float(np.percentile(ms, 99)),
+                        "decile": k + 1, "steps": done, "pulls": len(window), "quiet_pulls": len(quiet),
+                        "pull_p50_ms": float(np.percentile(quiet, 50)),
+                        "pull_p99_ms": float(np.percentile(quiet, 99)),
+                        "pull_p50_all_ms": float(np.percentile(ms, 50)),
+                        "pull_p99_all_ms": float(np.percentile(ms, 99)),
                         "pull_max_ms": float(ms.max()), "pull_mean_ms": float(ms.mean()),
                         "none_pulls": none_pulls, "none_pull_s": none_s,
                         "window_s": time.perf_counter() - t_window, "trainer_rss_mb": own_rss_mib(),
                         "index_groups": len(sampler.index), "cached_mb": sampler.cached_bytes / 2**20,
                         "time": time.time()})
-                    window, none_pulls, none_s = [], 0, 0.0
+                    window, busy, none_pulls, none_s = [], [], 0, 0.0
                     t_window = time.perf_counter()
                     k += 1
             now = time.time()
@@ -409,14 +433,27 @@ def timed_status(run: Path) -> float:
     return time.perf_counter() - t0
 
 
-def timed_status_cli(run: Path) -> float:
-    t0 = time.perf_counter()
+def status_cli(run: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "pipeline", "status", str(run)], cwd=REPO,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    took = time.perf_counter() - t0
     if r.returncode != 0:
-        raise BenchError(f"asyncgrpo status {run} failed ({r.returncode}): {r.stderr[-2000:]}")
-    return took
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BenchError(f"asyncgrpo status exited with {r.returncode}: {last}")
+
+
+def measured(fn, run: Path, errors: list[str], repeat: bool = True) -> float | None:
+    """median_time(fn, run) (one call without `repeat`); None and the error recorded if it raised:
+    a failing query or status is a finding of the soak, not a reason to stop it."""
+    try:
+        if repeat:
+            return median_time(fn, run)
+        t0 = time.perf_counter()
+        fn(run)
+        return time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"{fn.__name__}: {type(e).__name__}: {str(e).strip()[-300:]}")
+        log(f"  {errors[-1]}")
+        return None
 
 
 def live_files(run: Path) -> dict:
@@ -526,6 +563,7 @@ def synthetic(base: Path, args, state: dict) -> dict:
     children.append(compactor)
 
     rows: list[dict] = state["synthetic_rows"]
+    errors: list[str] = []     # failed measurements (SQL, status), counted and reported
     last_steps, last_progress = -1, time.time()
     for k in range(1, DECILES + 1):
         path = ctl / f"decile-{k:02d}.json"
@@ -543,22 +581,28 @@ def synthetic(base: Path, args, state: dict) -> dict:
         rss = {"writer_rss_mb": rss_mib(writer.pid), "sampler_rss_mb": rss_mib(trainer.pid),
                "compactor_rss_mb": rss_mib(compactor.pid)}
         files = live_files(run)
-        agg = median_time(aggregate, run)
-        st = median_time(status, run)
-        st_cli = timed_status_cli(run)
+        (ctl / "measuring").touch()
+        try:
+            agg = measured(aggregate, run, errors)
+            st = measured(status, run, errors)
+            st_cli = measured(status_cli, run, errors, repeat=False)
+        finally:
+            (ctl / "measuring").unlink()
         row = {"decile": k, "steps": d["steps"], "groups": w.get("groups"), "trainable_groups": w.get("trainable"),
                "elapsed_s": round(time.time() - t_start, 1), "window_s": round(d["window_s"], 2),
-               "aggregate_ms": rnd(agg * 1e3, 1), "pull_p50_ms": rnd(d["pull_p50_ms"]),
-               "pull_p99_ms": rnd(d["pull_p99_ms"]), "pull_max_ms": rnd(d["pull_max_ms"]),
+               "aggregate_ms": rnd(None if agg is None else agg * 1e3, 1), "pull_p50_ms": rnd(d["pull_p50_ms"]),
+               "pull_p99_ms": rnd(d["pull_p99_ms"]), "pull_p50_all_ms": rnd(d["pull_p50_all_ms"]),
+               "pull_p99_all_ms": rnd(d["pull_p99_all_ms"]), "quiet_pulls": d["quiet_pulls"],
+               "pull_max_ms": rnd(d["pull_max_ms"]),
                "pull_mean_ms": rnd(d["pull_mean_ms"]), "none_pulls": d["none_pulls"],
                "none_pull_s": rnd(d["none_pull_s"], 2), "status_s": rnd(st), "status_cli_s": rnd(st_cli),
                **files, **{key: rnd(v, 1) for key, v in rss.items()},
                "writer_blocked_s": rnd(w.get("blocked_s"), 1), "index_groups": d["index_groups"],
-               "sampler_cache_mb": rnd(d["cached_mb"], 1)}
+               "sampler_cache_mb": rnd(d["cached_mb"], 1), "measure_errors": len(errors)}
         rows.append(row)
         log(f"  {k * 10:3d}%: step {row['steps']:,}, {row['groups'] or 0:,} groups, {row['window_s']:.1f} s "
-            f"this tenth | aggregate {row['aggregate_ms']:.0f} ms, pull p50 {row['pull_p50_ms']:.1f} / p99 "
-            f"{row['pull_p99_ms']:.1f} ms, status {row['status_s']:.2f} s (CLI {row['status_cli_s']:.2f} s) | "
+            f"this tenth | aggregate {row['aggregate_ms']} ms, pull p50 {row['pull_p50_ms']:.1f} / p99 "
+            f"{row['pull_p99_ms']:.1f} ms, status {row['status_s']} s (CLI {row['status_cli_s']} s) | "
             f"files {row['live_files']} ({row['live_shards']} shards, {row['ledger_files']} ledger) | RSS MiB "
             f"writer {row['writer_rss_mb']}, sampler {row['sampler_rss_mb']}, compactor {row['compactor_rss_mb']}")
     # Both roles idle once done; wait for the writer's final flush to be reported, then stop everyone.
@@ -582,7 +626,9 @@ def synthetic(base: Path, args, state: dict) -> dict:
         inv["rollout_rows"] == GROUP_SIZE * (w.get("groups") or 0)
     inv["consumed_all_steps"] = inv["consumed_rows"] == gps * args.steps and tr.get("steps") == args.steps
     write_csv(args.out / "soak-synthetic.csv", rows)
-    return summarize_synthetic(rows, inv, w, tr, comp_totals, seconds, args.out / "soak-synthetic.csv")
+    out = summarize_synthetic(rows, inv, w, tr, comp_totals, seconds, args.out / "soak-synthetic.csv")
+    out["measure_errors"], out["first_measure_errors"] = len(errors), errors[:3]
+    return out
 
 
 def _last_json_line(path: Path) -> dict:
@@ -601,6 +647,7 @@ def summarize_synthetic(rows, inv, w, tr, comp, seconds, csv_path) -> dict:
         "aggregate_ms_first": first["aggregate_ms"], "aggregate_ms_last": last["aggregate_ms"],
         "pull_p50_ms_first": first["pull_p50_ms"], "pull_p50_ms_last": last["pull_p50_ms"],
         "pull_p99_ms_first": first["pull_p99_ms"], "pull_p99_ms_last": last["pull_p99_ms"],
+        "pull_p99_all_ms_first": first["pull_p99_all_ms"], "pull_p99_all_ms_last": last["pull_p99_all_ms"],
         "status_s_first": first["status_s"], "status_s_last": last["status_s"],
         "status_cli_s_first": first["status_cli_s"], "status_cli_s_last": last["status_cli_s"],
         "live_files_max": max(r["live_files"] for r in rows), "live_files_last": last["live_files"],
@@ -854,6 +901,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=1_000_000,
                     help="trainable (non-filtered) groups of the synthetic part; filtered ones come on top")
     ap.add_argument("--steps", type=int, default=100_000, help="trainer steps of the synthetic part")
+    ap.add_argument("--no-synthetic", action="store_true",
+                    help="skip the synthetic part (run the real part alone, e.g. beside a separate synthetic run)")
     ap.add_argument("--out", default=str(REPO / "docs" / "soak"), help="where the CSVs and the plot go")
     ap.add_argument("--dir", default=None, help="where the temp dir goes (default: the system's)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (run directories, logs)")
@@ -878,6 +927,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             role_main(args)
         return 0
+    if args.no_synthetic and args.minutes == 0:
+        ap.error("--no-synthetic with --minutes 0 leaves nothing to run")
     if args.steps < DECILES or args.groups < args.steps:
         ap.error(f"need --steps >= {DECILES} and --groups >= --steps (groups per step = groups // steps)")
     if args.minutes < 0:
@@ -891,10 +942,11 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     t0 = time.time()
     try:
-        result.update(synthetic(base, args, state))
+        if not args.no_synthetic:
+            result.update(synthetic(base, args, state))
         if args.minutes > 0:
             result["real"] = real(base, args, state)
-        ok = all(result["invariants"].values()) and (
+        ok = all(result.get("invariants", {}).values()) and (
             "real" not in result or (result["real"]["trained_twice"] == 0 and result["real"]["lost"] == 0))
         if not ok:
             log("INVARIANT BROKEN: see invariants / real in the JSON")
