@@ -38,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from buffer.fileset import SOURCES_KEY, FileSet
@@ -45,6 +47,9 @@ from buffer.layout import BufferDir, atomic_file, ledger_range
 from buffer.schema import parquet_write_options
 
 LEDGER_TARGET_ROWS = 262_144   # ledger records per merged ledger file (one per group pulled)
+C_ROW_GROUP_GROUPS = 256       # groups per row group of a merged rollout shard (at least; whole source row groups)
+SUMMARY_KEY = b"asyncgrpo.summary"   # a merged shard's groups per (version, filter reason): status reads no rows
+_SUMMARY_COLUMNS = ("version", "filtered", "filter_reason", "group_size", "group_reward_mean")
 
 
 # Per buffer: shard name -> (inode, mtime_ns, groups), so that compact() reads each footer once
@@ -190,10 +195,28 @@ def _group_count(meta: pq.FileMetaData) -> int:
 
 
 def _merge_shards(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
-    """Write the shards in `batch` as one file (temp + rename); its group count, or None."""
+    """Write the shards in `batch` as one file (temp + rename); its group count, or None.
+
+    The sources' row groups (each holding whole groups) are concatenated into
+    row groups of at least C_ROW_GROUP_GROUPS groups: a c-file of many small
+    flush shards would otherwise carry hundreds of row groups, and a footer of
+    hundreds of KB that every SQL query and `status` parses.
+    """
     groups = 0
     writer = None
     sources = []
+    pending: list = []
+    pending_groups = 0
+    firsts: list[pa.Table] = []   # each group's first row: its per-group columns, for the summary
+
+    def write_pending() -> None:
+        nonlocal writer, pending, pending_groups
+        t = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+        if writer is None:
+            writer = pq.ParquetWriter(f, t.schema.remove_metadata(), **parquet_write_options())
+        writer.write_table(t, row_group_size=max(t.num_rows, 1))
+        pending, pending_groups = [], 0
+
     try:
         with atomic_file(d.tmp, d.shards / out_name) as f:
             for p in batch:
@@ -206,19 +229,46 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
                         writer.close()
                     raise _Abort from e
                 sources.append([p.name, sum(t.num_rows for t in parts)])
-                for t in parts:  # the source's row groups as they were: they hold whole groups
-                    if writer is None:
-                        writer = pq.ParquetWriter(f, t.schema.remove_metadata(), **parquet_write_options())
-                    writer.write_table(t, row_group_size=max(t.num_rows, 1))
-                    groups += len(set(t.column("group_id").to_pylist()))
+                for t in parts:  # whole groups each: cutting between them keeps every group in one row group
+                    n = pc.count_distinct(t.column("group_id")).as_py()
+                    pending.append(t.replace_schema_metadata(None))
+                    firsts.append(t.filter(pc.equal(t.column("sample_index"), 0)).select(list(_SUMMARY_COLUMNS)))
+                    pending_groups += n
+                    groups += n
+                    if pending_groups >= C_ROW_GROUP_GROUPS:
+                        write_pending()
+            if pending:
+                write_pending()
             if writer is None:   # sources without rows: nothing to merge
                 raise _Abort
             writer.add_key_value_metadata({"asyncgrpo.groups": str(groups),
-                                           SOURCES_KEY.decode(): json.dumps(sources)})
+                                           SOURCES_KEY.decode(): json.dumps(sources),
+                                           SUMMARY_KEY.decode(): json.dumps(_summary(firsts, sum(n for _, n in sources)))})
             writer.close()
     except _Abort:  # atomic_file removed the temp file; nothing became visible
         return None
     return groups
+
+
+def _summary(firsts: list[pa.Table], num_rows: int) -> dict:
+    """A merged shard's groups summed per (version, filtered, filter reason), for `status` (see read_summary)."""
+    t = pa.concat_tables(firsts)
+    t = pa.table({"version": t.column("version"), "filtered": pc.fill_null(t.column("filtered"), False),
+                  "filter_reason": pc.fill_null(t.column("filter_reason"), ""),
+                  "group_size": t.column("group_size").cast(pa.int64()),
+                  "reward_sum": pc.multiply(t.column("group_reward_mean"), t.column("group_size").cast(pa.float64()))})
+    agg = t.group_by(["version", "filtered", "filter_reason"], use_threads=False).aggregate(
+        [("group_size", "count"), ("group_size", "sum"), ("reward_sum", "sum")])
+    cells = sorted(zip(*(agg.column(c).to_pylist() for c in ("version", "filtered", "filter_reason", "group_size_count",
+                                                               "group_size_sum", "reward_sum_sum"))))
+    return {"rows": num_rows, "cells": [list(c) for c in cells]}
+
+
+def read_summary(meta: pq.FileMetaData) -> dict | None:
+    """The summary a merged shard's footer holds: {"rows": n, "cells": [[version, filtered, filter_reason,
+    groups, completions, reward_sum], ...]} (filter_reason '' when none); None for a shard without one."""
+    raw = (meta.metadata or {}).get(SUMMARY_KEY)
+    return None if raw is None else json.loads(raw)
 
 
 class _Abort(Exception):

@@ -85,18 +85,54 @@ def _newest_trainer_version(con: duckdb.DuckDBPyConnection, ledger: list[Path]) 
     return int(newest)
 
 
+def _summaries(shards: list[Path]) -> tuple[list[list], list[Path]] | None:
+    """Cells [version, filtered, filter_reason, groups, completions, reward_sum] from the summaries merged
+    shards carry in their footers (buffer.compaction), and the shards without one, to scan; None: a
+    footer failed to read (the careful path names it)."""
+    import pyarrow.parquet as pq
+
+    from buffer.compaction import read_summary
+
+    cells: list[list] = []
+    scan = []
+    for p in shards:
+        if not p.name.startswith("c-"):
+            scan.append(p)
+            continue
+        try:
+            meta = pq.read_metadata(p)
+        except Exception:  # noqa: BLE001 - gone (merged again meanwhile) or damaged: the careful path
+            return None
+        summary = read_summary(meta)
+        if summary is None or summary["rows"] != meta.num_rows or \
+                sum(c[4] for c in summary["cells"]) != meta.num_rows:
+            scan.append(p)   # an older c-file, or one whose summary does not add up: read its rows
+            continue
+        cells += summary["cells"]
+    return cells, scan
+
+
 def _read_sql(shards: list[Path], ledger: list[Path], reuse: int) -> tuple[_Rows, int | None] | None:
-    """Summed rows and the newest trainer version, read by DuckDB; None if a file fails or a group is partial."""
+    """Summed rows and the newest trainer version; None if a file fails or a group is partial."""
     import duckdb
 
+    found = _summaries(shards)
+    if found is None:
+        return None
+    summed, scan = found
     con = buffer.offline_connection()
     try:
         newest = _newest_trainer_version(con, ledger)
-        if not shards:
-            none = np.zeros(0, np.int64)
-            return _Rows(none, none.astype(np.int8), none, none.astype(np.bool_), none, none,
-                         none.astype(np.float64), {}), newest
-        cells = con.execute(_CELLS_SQL, {"shards": [str(p) for p in shards]}).fetchnumpy()
+        cells = {"version": np.zeros(0, np.int64), "filtered": np.zeros(0, np.bool_),
+                 "filter_reason": np.zeros(0, object), "groups": np.zeros(0, np.int64),
+                 "completions": np.zeros(0, np.int64), "reward_sum": np.zeros(0, np.float64)}
+        if scan:
+            read = con.execute(_CELLS_SQL, {"shards": [str(p) for p in scan]}).fetchnumpy()
+            _, file_at = np.unique(read["filename"], return_inverse=True)
+            if not np.array_equal(np.bincount(file_at, weights=read["num_rows"]),
+                                  np.bincount(file_at, weights=read["completions"])):
+                return None   # a file's rows do not add up to its groups: the index names the bad one
+            cells = {k: np.asarray(read[k]) for k in cells}
         used: dict[int, int] = {}
         if ledger:
             for v, n in con.execute(_CONSUMED_SQL, {"ledger": [str(p) for p in ledger], "last": reuse - 1}
@@ -106,30 +142,41 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int) -> tuple[_Rows
         return None
     finally:
         con.close()
-    _, file_at = np.unique(cells["filename"], return_inverse=True)
-    if not np.array_equal(np.bincount(file_at, weights=cells["num_rows"]),
-                          np.bincount(file_at, weights=cells["completions"])):
-        return None   # a file's rows do not add up to its groups: the index names the bad one
+    if summed:
+        cols = list(zip(*summed))
+        for k, col, dtype in zip(cells, cols, (np.int64, np.bool_, object, np.int64, np.int64, np.float64)):
+            cells[k] = np.concatenate([cells[k], np.array(col, dtype=dtype)])
     keep = cells["groups"] > 0
     version = cells["version"][keep].astype(np.int64)
     reason = buffer.reason_codes(list(cells["filter_reason"][keep]), cells["filtered"][keep])
     weight, completions = cells["groups"][keep].astype(np.int64), cells["completions"][keep].astype(np.int64)
     reward_sum = cells["reward_sum"][keep].astype(np.float64)
-    # Split each version's learnable groups into consumed and not: a second row per cell, of the consumed.
-    consumed = np.zeros(len(version), np.int64)
-    for v, n in used.items():
-        for i in np.flatnonzero((version == v) & (reason == 0)):
-            take = min(n, int(weight[i]))
-            consumed[i] = take
-            n -= take
-            if n == 0:
-                break
+    consumed = _split_consumed(version, np.where(reason == 0, weight, 0), used)
     zero = np.zeros(len(version), np.int64)
     rows = _Rows(np.concatenate([version, version]), np.concatenate([reason, reason]),
                  np.concatenate([zero, zero + reuse]), np.ones(2 * len(version), np.bool_),
                  np.concatenate([weight - consumed, consumed]), np.concatenate([completions, zero]),
                  np.concatenate([reward_sum, zero.astype(np.float64)]), {})
     return rows, newest
+
+
+def _split_consumed(version: np.ndarray, learnable: np.ndarray, used: dict[int, int]) -> np.ndarray:
+    """Consumed groups per cell, shape (C,): each version's `used[v]` spread over its cells' learnable groups
+    (`learnable`, shape (C,)) in order, none over a cell's count (all groups of a version share a state)."""
+    if not used or not len(version):
+        return np.zeros(len(version), np.int64)
+    order = np.argsort(version, kind="stable")
+    v, w = version[order], learnable[order]
+    cum = np.cumsum(w)
+    start = np.searchsorted(v, v, side="left")                 # first cell of each cell's version
+    before = cum - w - np.where(start > 0, cum[start - 1], 0)  # learnable groups of earlier cells, same version
+    uv = np.array(sorted(used), np.int64)
+    un = np.array([used[k] for k in uv.tolist()], np.int64)
+    at = np.clip(np.searchsorted(uv, v), 0, len(uv) - 1)
+    n = np.where(uv[at] == v, un[at], 0)
+    out = np.zeros(len(version), np.int64)
+    out[order] = np.clip(n - before, 0, w)
+    return out
 
 
 def _read_index(root: Path, ledger: list[Path]) -> tuple[_Rows, int | None]:

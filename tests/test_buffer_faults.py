@@ -102,6 +102,6 @@ def test_index_follows_compaction_and_keeps_consumption(buf):
         assert b.group_ids == ids[3:]
         assert s.counts(0, None)["consumed"] == 8
     (c,) = [n for n in os.listdir(buf / "shards")]
-    assert c.startswith("c-") and pq.read_metadata(buf / "shards" / c).num_row_groups == 4
+    assert c.startswith("c-") and pq.read_metadata(buf / "shards" / c).num_row_groups == 1   # 8 groups: one row group (C_ROW_GROUP_GROUPS)
     assert GroupIndex(buf).counts(0, None)["consumed"] == 8
 

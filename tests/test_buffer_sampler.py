@@ -218,12 +218,16 @@ def test_pull_matches_reference_model(tmp_path_factory, history):
     assert c["groups"] == len(model)
 
 
-def test_pull_after_compaction_of_multi_row_group_shards(buf):
-    """Shards of several row groups are merged row group by row group; a pull then reads the same rows
-    (variable group sizes, so groups start mid row group), in pull order."""
+def test_pull_after_compaction_of_multi_row_group_shards(buf, monkeypatch):
+    """Shards of several row groups are merged into row groups of at least C_ROW_GROUP_GROUPS groups, cut
+    between the sources' row groups (here 4: row groups of 4, 5, 5 and 1 groups); a pull then reads the
+    same rows (variable group sizes, so groups start mid row group), in pull order."""
     import pyarrow.parquet as pq
 
+    import buffer.compaction
     from buffer import compact
+
+    monkeypatch.setattr(buffer.compaction, "C_ROW_GROUP_GROUPS", 4)
 
     with ShardWriter(buf, flush_groups=5, flush_seconds=None, row_group_groups=2) as w:
         ids = [w.append(make_group(0, [1, 0, 1][: 2 + i % 2], prompt_id=f"p{i}", seed=i)) for i in range(15)]
@@ -232,7 +236,8 @@ def test_pull_after_compaction_of_multi_row_group_shards(buf):
     assert (r.merged_files, r.written_files, r.groups) == (3, 1, 15)
     (c,) = os.listdir(buf / "shards")
     meta = pq.read_metadata(buf / "shards" / c)
-    assert meta.num_row_groups == 9 and meta.num_rows == before.num_rows
+    assert meta.num_rows == before.num_rows
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [10, 12, 13, 2]
     with Sampler(buf, order="newest") as s:
         b = s.pull(15, trainer_version=0, trainer_step=0, max_staleness=None)
     assert b.group_ids == ids[::-1]

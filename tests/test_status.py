@@ -190,3 +190,30 @@ def test_fast_path_counts_consumed_for_good_at_the_reuse_th_use(many_versions):
         counts = GroupIndex(buf, quarantine=False).counts(TRAINER_VERSION, MAX_STALENESS, reuse, by_version=False)
         assert {k: s[k] for k in counts} == counts and s["unreadable"] == {}
         assert s["consumed"] == (70 if reuse == 1 else 0)
+
+
+def test_merged_shards_are_counted_from_their_footer_summaries(many_versions, tmp_path):
+    """After compaction status reads no row of the c-files (their footers sum their groups) and reports the
+    same, to the last group and completion."""
+    import shutil
+
+    from buffer import BufferDir, compact
+    from pipeline.status import _summaries
+
+    buf, _ = many_versions
+    copy = tmp_path / "buffer"
+    shutil.copytree(buf, copy)
+    args = dict(trainer_version=TRAINER_VERSION, max_staleness=MAX_STALENESS)
+    before = buffer_status(copy, **args, max_ranges=None)
+    r = compact(copy, target_groups=64, min_age_s=0.0, grace_s=0.0)
+    live = BufferDir(copy).live_shards()
+    assert r.written_files >= 7 and all(p.name.startswith("c-") for p in live)
+    cells, scan = _summaries(live)
+    assert scan == [] and sum(c[3] for c in cells) == 500
+    after = buffer_status(copy, **args, max_ranges=None)
+    for key in ("groups", "completions", "eligible", "consumed", "filtered", "expired", "future", "by_version",
+                "filtered_by_reason"):
+        assert after[key] == before[key], key
+    for a, b in zip(after["version_ranges"], before["version_ranges"]):
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], rel=1e-12)
+        assert {k: v for k, v in a.items() if k != "reward_mean"} == {k: v for k, v in b.items() if k != "reward_mean"}
