@@ -42,13 +42,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from buffer.fileset import SOURCES_KEY, FileSet
+from buffer.fileset import SOURCES_KEY, SUMMARY_KEY, FileSet
 from buffer.layout import BufferDir, atomic_file, ledger_range
 from buffer.schema import parquet_write_options
 
 LEDGER_TARGET_ROWS = 262_144   # ledger records per merged ledger file (one per group pulled)
 C_ROW_GROUP_GROUPS = 256       # groups per row group of a merged rollout shard (at least; whole source row groups)
-SUMMARY_KEY = b"asyncgrpo.summary"   # a merged shard's groups per (version, filter reason): status reads no rows
 _SUMMARY_COLUMNS = ("version", "filtered", "filter_reason", "group_size", "group_reward_mean")
 
 
@@ -262,13 +261,6 @@ def _summary(firsts: list[pa.Table], num_rows: int) -> dict:
     cells = sorted(zip(*(agg.column(c).to_pylist() for c in ("version", "filtered", "filter_reason", "group_size_count",
                                                                "group_size_sum", "reward_sum_sum"))))
     return {"rows": num_rows, "cells": [list(c) for c in cells]}
-
-
-def read_summary(meta: pq.FileMetaData) -> dict | None:
-    """The summary a merged shard's footer holds: {"rows": n, "cells": [[version, filtered, filter_reason,
-    groups, completions, reward_sum], ...]} (filter_reason '' when none); None for a shard without one."""
-    raw = (meta.metadata or {}).get(SUMMARY_KEY)
-    return None if raw is None else json.loads(raw)
 
 
 class _Abort(Exception):

@@ -42,6 +42,7 @@ if TYPE_CHECKING:   # pyarrow is imported where used: `asyncgrpo --help` reaches
     import pyarrow.parquet as pq
 
 SOURCES_KEY = b"asyncgrpo.sources"
+SUMMARY_KEY = b"asyncgrpo.summary"   # a merged rollout shard's groups per (version, filter reason): status reads no rows
 PARQUET = ".parquet"
 
 
@@ -62,6 +63,14 @@ def read_sources(meta: pq.FileMetaData) -> list[tuple[str, int]] | None:
     if raw is None:
         return None
     return [(str(name), int(rows)) for name, rows in json.loads(raw)]
+
+
+def read_summary(meta: pq.FileMetaData) -> dict | None:
+    """The summary a merged rollout shard's footer holds (buffer.compaction): {"rows": n, "cells":
+    [[version, filtered, filter_reason, groups, completions, reward_sum], ...]} (filter_reason '' when
+    none); None for a shard without one."""
+    raw = (meta.metadata or {}).get(SUMMARY_KEY)
+    return None if raw is None else json.loads(raw)
 
 
 class FileSet:

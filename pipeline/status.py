@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import buffer
+from buffer.fileset import read_summary
 from buffer.layout import BufferDir, find_buffer
 from buffer.retention import archived_shards
 
@@ -90,8 +91,6 @@ def _summaries(shards: list[Path]) -> tuple[list[list], list[Path]] | None:
     shards carry in their footers (buffer.compaction), and the shards without one, to scan; None: a
     footer failed to read (the careful path names it)."""
     import pyarrow.parquet as pq
-
-    from buffer.compaction import read_summary
 
     cells: list[list] = []
     scan = []

@@ -46,6 +46,7 @@ import buffer
 from buffer.layout import run_file_set
 from buffer.retention import ACTIONS, RetentionReport, newest_trainer_version, retire_old_shards
 from workers.checks import is_int, is_num, require
+from workers.proc import rss_mb
 from workers.stop import StopFlag
 
 log = logging.getLogger("asyncgrpo.compactor")
@@ -290,7 +291,8 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
                          f"version {kept.below_version}; trainer version {kept.trainer_version}), "
                          f"deleted {kept.deleted_files}")
         if parts or any(r.quarantined for r in reports.values()):
-            log.info("pass in %.2f s: %s; live files %s", took, "; ".join(parts), live_files(run_dir))
+            log.info("pass in %.2f s: %s; live files %s; rss %.0f MiB", took, "; ".join(parts), live_files(run_dir),
+                     rss_mb())
         disk.check(run_dir, cfg)
         stop.wait(cfg.every_s)
     return totals
