@@ -457,22 +457,13 @@ def measured(fn, run: Path, errors: list[str], repeat: bool = True) -> float | N
 
 
 def live_files(run: Path) -> dict:
-    """Live files of a run: shards and ledger as the readers list them, plus metrics files.
+    """Live files of a run, as the readers list them (through each kind's manifest): shards, ledger,
+    the trainer's metrics and the generators' metrics (workers.compactor.live_files)."""
+    from workers.compactor import live_files as live
 
-    metrics/ and generator_metrics/ are counted as the *.parquet files present (the SQL views'
-    globs); should a manifest ever exclude some of them, this count is an upper bound.
-    """
-    from buffer import BufferDir
-
-    out = {"live_shards": 0, "ledger_files": 0, "metrics_files": 0, "generator_metrics_files": 0}
-    root = run / "buffer"
-    if BufferDir.is_buffer(root):
-        d = BufferDir(root)
-        out["live_shards"] = len(d.live_shards())
-        out["ledger_files"] = len(d.ledger_shards())
-    for key, sub in (("metrics_files", "metrics"), ("generator_metrics_files", "generator_metrics")):
-        if (run / sub).is_dir():
-            out[key] = sum(1 for _ in (run / sub).glob("*.parquet"))
+    n = live(run)
+    out = {"live_shards": n["shards"], "ledger_files": n["ledger"], "metrics_files": n["metrics"],
+           "generator_metrics_files": n["generator_metrics"]}
     out["live_files"] = sum(out.values())
     return out
 

@@ -7,13 +7,22 @@ state; a merged ledger file counts only the records of sources not read
 before). It gives group states and counts without scanning token columns, so a
 pull costs the same at 10,000 groups as at 100,000.
 
+Uses are read idempotently: a ledger record carries the number of earlier
+uses of its group (`use_index`), and a group's use count is the largest
+`use_index + 1` seen, so a record read twice (a merged ledger file that
+holds records this index read in their first file) changes nothing.
+
 Bounded memory (`retire=True`, what the daemons use): filtered groups and
 groups consumed `reuse` times can never be pulled again, so their rows are
 dropped from the arrays and only counted (per version and state, and per
-filter reason). A c-file that holds a dropped group is recognised by its
-footer's sources (buffer/fileset.py): a group from a source this index read
-before, and no longer holds, was dropped, not new. The index then holds the
-groups that may still be pulled, whatever the length of the run.
+filter reason). A group id is '<writer id>-<sequence>', and a writer's shards
+become visible in sequence, so after a refresh that read every file it listed
+the index has seen each writer's groups up to the highest sequence it read (a
+watermark per writer, bounded by the number of writers). Only groups under
+their writer's watermark are dropped, and a group under it that turns up in a
+c-file without being held was dropped, not new, however many merges it went
+through. The index then holds the groups that may still be pulled, whatever
+the length of the run; files no group refers to are forgotten too.
 
 Retention (buffer/retention.py) removes whole shards whose groups are all too
 old to be pulled; when such a shard leaves the live list without its groups
@@ -46,8 +55,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from buffer.fileset import read_sources
-from buffer.layout import BufferDir, BufferError, is_ledger_c_name, ledger_range
+from buffer.layout import BufferDir, BufferError, ledger_range
 from buffer.retention import read_floor
 from buffer.schema import FILTER_REASONS, INDEX_COLUMNS, staleness
 
@@ -131,6 +139,11 @@ class GroupIndex:
         self._file_of: dict[str, int] = {}    # live file name -> file_idx
         self._ledger_seen: set[str] = set()
         self._early_uses: dict[str, list[int]] = {}  # ledger ids whose shard is not indexed: [uses, refresh]
+        self.writer_no = _Grow.of(np.int32)   # per group: writer number of its id ('w000007-...' -> 7), -1: other
+        self.seq = _Grow.of(np.int64)         # per group: sequence number within its writer
+        self._upto = np.full(0, -1, np.int64)  # writer number -> highest sequence read in a complete refresh
+        self._pass_upto: dict[int, int] = {}   # this refresh's highest sequences, kept if it read every file
+        self._pass_complete = True
         self.unreadable: dict[str, str] = {}  # shards skipped (quarantine=False): name -> reason
         self.quarantined_now: list[tuple[str, str]] = []
         self.refresh()
@@ -143,10 +156,18 @@ class GroupIndex:
     def refresh(self) -> None:
         """Index shards and ledger records that appeared; follow files that went away."""
         self._refreshes += 1
+        self._pass_upto, self._pass_complete = {}, True
         live_names = self.dir.live_shard_names()
         for name in live_names:
             if name not in self._file_of and name not in self.unreadable:
                 self._index_shard(self.dir.shards / name)
+        if self._pass_complete:   # every listed file read: each writer's groups up to its maximum are seen
+            for w, top in self._pass_upto.items():
+                if w >= len(self._upto):
+                    grown = np.full(max(w + 1, 2 * len(self._upto)), -1, np.int64)
+                    grown[: len(self._upto)] = self._upto
+                    self._upto = grown
+                self._upto[w] = max(self._upto[w], top)
         ledger_names = self.dir.ledger_shard_names()
         for name in ledger_names:
             if name not in self._ledger_seen:
@@ -193,50 +214,36 @@ class GroupIndex:
             self.available.view[retired] = False
 
     def _read_ledger(self, name: str) -> None:
-        """Count the uses in one ledger file (as of `as_of_step`); in a merged one, only sources not read."""
+        """Count the uses in one ledger file (as of `as_of_step`); reading a record twice changes nothing."""
         first, last = ledger_range(name)
         if self.as_of_step is not None and first > self.as_of_step:
             return
-        p = self.dir.ledger / name
-        if not is_ledger_c_name(name) and (self.as_of_step is None or last <= self.as_of_step):
-            try:
-                ids = pq.read_table(p, columns=["group_id"]).column(0).to_pylist()
-            except FileNotFoundError:
-                return   # merged meanwhile: the merged file is listed next time
-            self._ledger_seen.add(name)
-            self.add_uses(ids)
-            return
+        cut = self.as_of_step is not None and last > self.as_of_step
         try:
-            pf = pq.ParquetFile(p)
-            t = pf.read(columns=["group_id", "trainer_step"])
+            t = pq.read_table(self.dir.ledger / name,
+                              columns=["group_id", "use_index"] + (["trainer_step"] if cut else []))
         except FileNotFoundError:
-            return
-        keep = np.ones(t.num_rows, dtype=np.bool_)
-        sources = read_sources(pf.metadata)
-        if sources is not None:
-            at = 0
-            for src, rows in sources:
-                if src in self._ledger_seen:
-                    keep[at: at + rows] = False
-                at += rows
-        if self.as_of_step is not None:
-            keep &= t.column("trainer_step").to_numpy() <= self.as_of_step
+            return   # merged meanwhile: the merged file is listed next time
+        if cut:
+            t = t.filter(pc.less_equal(t.column("trainer_step"), self.as_of_step))
         self._ledger_seen.add(name)
-        ids = t.column("group_id").to_pylist()
-        self.add_uses([g for g, k in zip(ids, keep.tolist()) if k])
+        self.add_uses(t.column("group_id").to_pylist(), t.column("use_index").to_numpy())
 
     def mark_ledger_seen(self, name: str) -> None:
         """A ledger shard whose uses the caller has already counted (the sampler's own)."""
         self._ledger_seen.add(name)
 
-    def add_uses(self, group_ids: list[str]) -> None:
-        for gid in group_ids:
+    def add_uses(self, group_ids: list[str], use_index: np.ndarray) -> None:
+        """Ledger records: group i has been used at least use_index[i] + 1 times (shape (N,))."""
+        uses = (np.asarray(use_index, dtype=np.int64) + 1).tolist()
+        count = self.use_count.view
+        for gid, n in zip(group_ids, uses):
             idx = self.id_to_idx.get(gid)
             if idx is None:
                 early = self._early_uses.setdefault(gid, [0, self._refreshes])
-                early[0] += 1
-            else:
-                self.use_count.view[idx] += 1
+                early[0] = max(early[0], n)
+            elif count[idx] < n:
+                count[idx] = n
 
     def mark_unreadable(self, path: Path, reason: str) -> None:
         """Quarantine (or, read-only, skip) a shard; its groups become unavailable."""
@@ -255,6 +262,7 @@ class GroupIndex:
             pf = pq.ParquetFile(path)
             table = pf.read(columns=INDEX_COLUMNS)
         except FileNotFoundError:
+            self._pass_complete = False   # this listing missed where its groups went: no watermark from it
             return  # compacted away between listing and reading; the c-file has its groups
         except Exception as e:  # noqa: BLE001 - any decode error means the file is unusable
             self.mark_unreadable(path, f"unreadable: {type(e).__name__}: {e}")
@@ -291,9 +299,13 @@ class GroupIndex:
         versions = col["version"].to_numpy()[first]
         created = col["created_at"].cast(pa.int64()).to_numpy()[first]
         means = col["group_reward_mean"].to_numpy()[first]
-        known = self._known_source_rows(pf.metadata, len(codes))   # rows from shards read before, or None
-        new = [i for i, g in enumerate(uniq) if g not in self.id_to_idx
-               and not (known is not None and known[first[i]])]    # else: retired (dropped) earlier
+        ws = [_writer_seq(g) for g in uniq]
+        for w, q in ws:
+            if w >= 0 and q > self._pass_upto.get(w, -1):
+                self._pass_upto[w] = q
+        upto = self._upto
+        new = [i for i, g in enumerate(uniq) if g not in self.id_to_idx   # else moved by compaction
+               and not (0 <= ws[i][0] < len(upto) and ws[i][1] <= upto[ws[i][0]])]   # else dropped before
         moved = [i for i, g in enumerate(uniq) if g in self.id_to_idx]
         for i in moved:  # compaction: same group, new home
             idx = self.id_to_idx[uniq[i]]
@@ -313,28 +325,20 @@ class GroupIndex:
             self.group_size.extend(sizes[sel])
             self.reward_mean.extend(means[sel])
             self.use_count.extend(np.array([self._early_uses.pop(uniq[i], (0,))[0] for i in new], np.int32))
+            self.writer_no.extend(np.array([ws[i][0] for i in new], np.int32))
+            self.seq.extend(np.array([ws[i][1] for i in new], np.int64))
             self.available.extend(np.ones(len(new), np.bool_))
             self.file_idx.extend(np.full(len(new), fidx, np.int32))
             self.row_group.extend(rgs[sel])
             self.row_start.extend(starts[sel])
 
-    def _known_source_rows(self, meta: pq.FileMetaData, num_rows: int) -> np.ndarray | None:
-        """(rows,) bool: the row came from a shard this index read before (a c-file's sources); None: none did."""
-        sources = read_sources(meta)
-        if not sources or not self.retired:
-            return None
-        known = np.zeros(num_rows, dtype=np.bool_)
-        at = 0
-        for src, rows in sources:
-            if src in self._file_of:
-                known[at: at + rows] = True
-            at += rows
-        return known if known.any() else None
-
     # -- bounded memory ------------------------------------------------------------
     def _drop_retired(self) -> None:
         """Drop filtered groups and those consumed `reuse` times, counting them, once they are many."""
-        dead = (self.reason.view > 0) | (self.use_count.view >= self.reuse)
+        w = self.writer_no.view
+        covered = (w >= 0) & (w < len(self._upto))
+        covered[covered] = self.seq.view[covered] <= self._upto[w[covered]]   # seen by a complete refresh
+        dead = ((self.reason.view > 0) | (self.use_count.view >= self.reuse)) & covered
         n_dead = int(dead.sum())
         if n_dead < max(self.DROP_AT, len(self.group_ids) // 2):
             return   # amortised: each drop costs O(groups held)
@@ -362,11 +366,23 @@ class GroupIndex:
         self.retired += len(version)
         keep = ~mask
         for col in (self.version, self.reason, self.created_us, self.group_size, self.reward_mean, self.use_count,
-                    self.available, self.file_idx, self.row_group, self.row_start):
+                    self.available, self.file_idx, self.row_group, self.row_start, self.writer_no, self.seq):
             col.keep(keep)
         self.group_ids = [g for g, k in zip(self.group_ids, keep.tolist()) if k]
         self.id_to_idx = {g: i for i, g in enumerate(self.group_ids)}
+        self._forget_files()
         return True
+
+    def _forget_files(self) -> None:
+        """Renumber `files` to those a held group or the live listing refers to (the rest are gone for good)."""
+        used = np.union1d(np.unique(self.file_idx.view), np.fromiter(self._file_of.values(), np.int64))
+        if len(used) == len(self.files):
+            return
+        remap = np.full(len(self.files), -1, np.int64)
+        remap[used] = np.arange(len(used))
+        self.files = [self.files[i] for i in used.tolist()]
+        self.file_idx.view[:] = remap[self.file_idx.view]
+        self._file_of = {name: int(remap[i]) for name, i in self._file_of.items()}
 
     # -- states and counts -------------------------------------------------------
     def states(self, trainer_version: int, max_staleness: int | None, reuse: int = 1) -> np.ndarray:
@@ -400,6 +416,14 @@ class GroupIndex:
                         row[name] = row.get(name, 0) + int(self._retired_states[v, i])
             out["by_version"] = dict(sorted(bv.items()))
         return out
+
+
+def _writer_seq(group_id: str) -> tuple[int, int]:
+    """(writer number, sequence) of a writer's group id 'w000007-00000012'; (-1, -1) for any other id."""
+    w, _, q = group_id.rpartition("-")
+    if len(w) > 1 and w[0] == "w" and w[1:].isdigit() and q.isdigit():
+        return int(w[1:]), int(q)
+    return -1, -1
 
 
 def reason_codes(filter_reasons: list[str | None], filtered: np.ndarray) -> np.ndarray:

@@ -90,17 +90,26 @@ class Sampler:
         # Ledger names: 'step-<step>-<seq>'; a step written again (a restart without as_of_step) takes
         # sequence numbers after those on disk, live or replaced, so no name is ever reused.
         names = [n for n in os.listdir(self.dir.ledger) if is_ledger_name(n)]
+        names += list(self.dir.ledger_set.read_manifest().replaced)   # also those deleted, still in the manifest
         self._disk_last_step = max((ledger_range(n)[1] for n in names), default=-1)
         self._seq_step, self._seq_next = -1, 0
 
     def _abandon_after(self, step: int) -> None:
-        """Move the ledger records of steps after `step` to abandoned/ (see module doc)."""
+        """Move the ledger records of steps after `step` to abandoned/ (see module doc).
+
+        Under the buffer's lock (against a compactor merging ledger files meanwhile), in
+        three writes, so a reader never sees an abandoned record and a kill -9 at any
+        point leaves the cut done or to be redone: (1) one manifest write makes the cut
+        files live and every file after the step (live, replaced, or named by the
+        manifest only) replaced; (2) the files move to abandoned/; (3) their names leave
+        the manifest, so a new step may take them again.
+        """
         stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         fs = self.dir.ledger_set
-        with self.dir.lock:   # against a compactor merging ledger files meanwhile
+        with self.dir.lock:
             manifest = fs.read_manifest()
             new, gone = [], []
-            for name in os.listdir(self.dir.ledger):
+            for name in sorted(set(os.listdir(self.dir.ledger)) | set(manifest.replaced)):
                 if not is_ledger_name(name):
                     continue
                 first, last = ledger_range(name)
@@ -111,15 +120,21 @@ class Sampler:
                     new.append(self._cut(name, step, manifest.generation + 1, len(new)))
                 if live or name in manifest.replaced:
                     gone.append(name)
-            if new or gone:
-                compacted = tuple(n for n in manifest.compacted if n not in set(gone)) + tuple(new)
-                replaced = {k: v for k, v in manifest.replaced.items() if k not in set(gone)}
-                fs.write_manifest(type(manifest)(manifest.generation + 1, compacted, replaced))
+            if not (new or gone):
+                return
+            now = time.time()
+            gone_set = set(gone)
+            hidden = type(manifest)(manifest.generation + 1,
+                                    tuple(n for n in manifest.compacted if n not in gone_set) + tuple(new),
+                                    {**manifest.replaced, **{n: manifest.replaced.get(n, now) for n in gone}})
+            fs.write_manifest(hidden)
             for name in gone:
                 try:
                     os.replace(self.dir.ledger / name, self.dir.abandoned / f"{stamp}-{name}")
                 except FileNotFoundError:
                     pass
+            fs.write_manifest(type(manifest)(hidden.generation, hidden.compacted,
+                                             {k: v for k, v in hidden.replaced.items() if k not in gone_set}))
 
     def _cut(self, name: str, step: int, generation: int, i: int) -> str:
         """A merged ledger file's records of steps <= `step`, as a new merged file (not yet live); its name."""
@@ -255,9 +270,10 @@ class Sampler:
         recently used dropped first.
         """
         cache = self._cache
-        missing = [r for r in rgs if (fidx, r) not in cache]
+        path = self.index.files[fidx]
+        key = path.name          # file names never repeat (file_idx may be renumbered as files are forgotten)
+        missing = [r for r in rgs if (key, r) not in cache]
         if missing:
-            path = self.index.files[fidx]
             try:
                 pf = pq.ParquetFile(path, page_checksum_verification=True)
                 t = pf.read_row_groups(missing)
@@ -268,13 +284,13 @@ class Sampler:
             for r in missing:
                 n = pf.metadata.row_group(r).num_rows
                 part = t.slice(start, n)
-                cache[(fidx, r)] = part
+                cache[(key, r)] = part
                 self._cache_bytes += part.nbytes
                 start += n
         out = []
         for r in rgs:
-            part = cache.pop((fidx, r))
-            cache[(fidx, r)] = part   # most recently used last
+            part = cache.pop((key, r))
+            cache[(key, r)] = part   # most recently used last
             out.append(part)
         while self._cache_bytes > self.cache_bytes and cache:
             self._cache_bytes -= cache.pop(next(iter(cache))).nbytes
@@ -284,7 +300,8 @@ class Sampler:
         if step != self._seq_step:
             self._seq_step, self._seq_next = step, 0
             if step <= self._disk_last_step:   # the step has files already (live, replaced or merged)
-                taken = [int(n.split("-")[2].removesuffix(".parquet")) for n in os.listdir(self.dir.ledger)
+                names = set(os.listdir(self.dir.ledger)) | set(self.dir.ledger_set.read_manifest().replaced)
+                taken = [int(n.split("-")[2].removesuffix(".parquet")) for n in names
                          if is_ledger_name(n) and not is_ledger_c_name(n) and ledger_range(n)[0] == step]
                 self._seq_next = max(taken, default=-1) + 1
         seq = self._seq_next

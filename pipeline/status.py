@@ -38,7 +38,7 @@ import numpy as np
 import buffer
 from buffer.fileset import read_summary
 from buffer.layout import BufferDir, find_buffer
-from buffer.retention import archived_shards
+from buffer.retention import archived_shards, read_floor
 
 if TYPE_CHECKING:
     import duckdb
@@ -57,7 +57,17 @@ SELECT filename, version, coalesce(filtered, false) AS filtered, coalesce(filter
 FROM read_parquet($shards, filename = true) GROUP BY 1, 2, 3, 4
 """
 # Groups used for the reuse-th time (so consumed for good), per group version.
-_CONSUMED_SQL = "SELECT group_version, count(*) AS n FROM read_parquet($ledger) WHERE use_index = $last GROUP BY 1"
+_CONSUMED_SQL = ("SELECT group_version, count(*) AS n FROM read_parquet($ledger) "
+                 "WHERE use_index = $last AND group_version >= $floor GROUP BY 1")
+# Below the retention bound a version's groups may be partly archived, partly live: count the live
+# consumed ones by id (few: only shards that straddle the bound hold such groups; the version's
+# row-group statistics skip the rest).
+_CONSUMED_BELOW_SQL = """
+SELECT s.version, count(*) AS n
+FROM (SELECT group_id, version FROM read_parquet($shards) WHERE sample_index = 0 AND version < $floor) s
+JOIN (SELECT DISTINCT group_id FROM read_parquet($ledger) WHERE use_index = $last AND group_version < $floor) l
+USING (group_id) GROUP BY 1
+"""
 
 
 @dataclass(frozen=True)
@@ -111,8 +121,12 @@ def _summaries(shards: list[Path]) -> tuple[list[list], list[Path]] | None:
     return cells, scan
 
 
-def _read_sql(shards: list[Path], ledger: list[Path], reuse: int) -> tuple[_Rows, int | None] | None:
-    """Summed rows and the newest trainer version; None if a file fails or a group is partial."""
+def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
+              floor: int | None = None) -> tuple[_Rows, int | None] | None:
+    """Summed rows and the newest trainer version; None if a file fails or a group is partial.
+
+    floor: the retention bound (buffer.retention.read_floor): versions below it are counted by id.
+    """
     import duckdb
 
     found = _summaries(shards)
@@ -134,9 +148,14 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int) -> tuple[_Rows
             cells = {k: np.asarray(read[k]) for k in cells}
         used: dict[int, int] = {}
         if ledger:
-            for v, n in con.execute(_CONSUMED_SQL, {"ledger": [str(p) for p in ledger], "last": reuse - 1}
-                                    ).fetchall():
+            files = [str(p) for p in ledger]
+            low = -(2 ** 62) if floor is None else floor
+            for v, n in con.execute(_CONSUMED_SQL, {"ledger": files, "last": reuse - 1, "floor": low}).fetchall():
                 used[int(v)] = int(n)
+            if floor is not None and shards:
+                for v, n in con.execute(_CONSUMED_BELOW_SQL, {"shards": [str(p) for p in shards], "ledger": files,
+                                                              "last": reuse - 1, "floor": floor}).fetchall():
+                    used[int(v)] = int(n)
     except duckdb.Error:
         return None
     finally:
@@ -265,7 +284,7 @@ def buffer_status(path: str | os.PathLike, *, trainer_version: int | None = None
     d = BufferDir(root)
     shards = d.live_shards()
     ledger = d.ledger_shards()
-    g, newest = _read_sql(shards, ledger, reuse) or _read_index(root, ledger)
+    g, newest = _read_sql(shards, ledger, reuse, read_floor(root)) or _read_index(root, ledger)
     t = trainer_version
     if t is None:
         t = newest if newest is not None else int(g.version.max()) if len(g.version) else 0

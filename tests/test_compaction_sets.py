@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from buffer import BufferDir, BufferSQL, GroupIndex, Sampler, ShardWriter, compact, compact_ledger, compact_small
-from buffer.layout import run_file_set
+from buffer.layout import ledger_range, run_file_set
 from conftest import REPO, make_group
 from workers.compactor import CompactorConfig, compact_run, live_files
 from workers.generator_stats import GeneratorStats
@@ -325,3 +325,56 @@ def test_merged_files_name_their_sources_in_row_order(buf):
     assert [s for s, _ in sources] == names and [n for _, n in sources] == [20] * 6
     rows = pq.read_table(c, columns=["group_id"]).column(0).to_pylist()
     assert np.all(np.diff([int(g.split("-")[1]) for g in rows[::G]]) == 1)
+
+
+def test_dropped_groups_stay_dropped_when_merged_twice_between_two_refreshes(buf, monkeypatch):
+    """A retiring index that slept through two merges (its shards -> C1 -> C2, C2's footer names only C1)
+    still knows the groups it dropped: no group is offered twice."""
+    monkeypatch.setattr(GroupIndex, "DROP_AT", 2)
+    ids = _fill(buf, 20, flush_groups=5)
+    with Sampler(buf) as s:
+        first = [s.pull(5, trainer_version=0, trainer_step=k, max_staleness=None).group_ids for k in (1, 2)]
+        s.counts(0, None)
+        assert s.index.retired == 10 and len(s.index) == 10
+        compact(buf, target_groups=1000, **NOW)                       # C1 <- the 4 shards
+        more = _fill(buf, 10, flush_groups=5)
+        assert compact(buf, target_groups=1000, **NOW).merged_files == 3   # C2 <- C1 + 2 new shards
+        rest = [s.pull(5, trainer_version=0, trainer_step=k, max_staleness=None).group_ids for k in (3, 4, 5, 6)]
+        assert s.pull(1, trainer_version=0, trainer_step=7, max_staleness=None) is None
+        assert s.counts(0, None)["consumed"] == 30
+    assert sorted(sum(first + rest, [])) == sorted(ids + more)
+
+
+def test_an_observer_counts_uses_once_across_a_resume_cut_and_reuse(buf):
+    """Uses are read idempotently (use_index): records seen in a merged file, then again in the file a
+    resume cut from it, count once, also with reuse 2."""
+    _fill(buf, 60)
+    with Sampler(buf, reuse=2) as s:
+        for step in range(1, 16):      # 15 pulls of 5: 60 groups once, then 15 of them a second time
+            assert s.pull(5, trainer_version=0, trainer_step=step, max_staleness=None) is not None
+    compact_ledger(buf, **NOW)
+    observer = GroupIndex(buf, retire=True, reuse=2)
+    assert observer.counts(0, None, 2)["consumed"] == 15
+    with Sampler(buf, reuse=2, as_of_step=13):     # cut at 13: 5 second uses undone
+        pass
+    observer.refresh()
+    fresh = GroupIndex(buf, reuse=2)
+    assert fresh.counts(0, None, 2)["consumed"] == 5
+    # the observer cannot take uses back (it has no record of which were undone): it never adds any
+    assert observer.counts(0, None, 2)["consumed"] == 15
+    assert len(_consumed(buf)) == 65
+
+
+def test_a_resume_frees_names_a_killed_deletion_left_in_the_manifest(buf):
+    """kill -9 inside delete_expired leaves replaced names that are no longer on disk; a resume must drop
+    them, or the new step's file of the same name would be invisible (and its groups trained again)."""
+    _fill(buf, 100)
+    first = _pull_steps(buf, 10)
+    compact_ledger(buf, min_age_s=0.0, grace_s=3600.0)
+    d = BufferDir(buf)
+    for name in d.ledger_set.read_manifest().replaced:
+        (d.ledger / name).unlink()                       # deleted, the manifest write never happened
+    again = _pull_steps(buf, 5, first_step=6, as_of_step=5)
+    assert again == first[5:]
+    assert len(_consumed(buf)) == 50 and GroupIndex(buf).counts(0, None)["consumed"] == 50
+    assert not [n for n in d.ledger_set.read_manifest().replaced if ledger_range(n)[1] > 5]

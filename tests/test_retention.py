@@ -398,3 +398,16 @@ def test_compaction_reads_each_footer_once(buf, monkeypatch):
     assert (r.merged_files, r.written_files, r.groups) == (10, 1, 100) and calls == []
     assert compact(buf, target_groups=1000, min_age_s=0.0, grace_s=0.0).merged_files == 0
     assert [p.name for p in calls] == BufferDir(buf).live_shard_names()   # the new c-file, once
+
+
+def test_status_counts_only_live_consumed_groups_of_a_version_split_by_retention(buf):
+    """Version 5 lies in an archived shard and in a live one: status's consumed count for it is that of
+    the live groups (by id), not the ledger's count for the whole version."""
+    _fill(buf, [5] * 10 + [5] * 5 + [9] * 5)          # shard 0: ten of v5; shard 1: five of v5, five of v9
+    with Sampler(buf) as s:
+        b = s.pull(9, trainer_version=7, trainer_step=1, max_staleness=LIMIT)   # 7 of shard 0, 2 of shard 1
+    assert b is not None
+    r = retire_old_shards(buf, keep_versions=KEEP, action="archive", grace_s=0.0, trainer_version=9)
+    assert (r.files, r.below_version) == (1, 6)
+    s = buffer_status(buf, trainer_version=9, max_staleness=LIMIT)
+    assert (s["groups"], s["consumed"], s["filtered"], s["expired"], s["eligible"]) == (10, 2, 2, 2, 4)

@@ -111,10 +111,12 @@ class MetricsWriter:
     def truncate_after(self, step: int) -> int:
         """Delete rows of steps > `step`; returns the live rows dropped.
 
-        Under the folder's compaction lock: live files after the step are
-        deleted, one across it is rewritten as a merged file of its rows up to
-        the step (swapped in through the manifest), and replaced files after the
-        step (kept for readers' grace) go too, so no new file's name is taken.
+        Under the folder's compaction lock, in three writes (as the ledger's resume
+        cut, buffer.Sampler): one manifest write makes a file across the step,
+        rewritten as a merged file of its rows up to the step, live, and every file
+        after the step (live, replaced, or named by the manifest only) replaced; the
+        files are deleted; their names leave the manifest, so the steps taken again
+        may reuse them. A reader never sees a row after the step.
         """
         fs = self.files
         dropped = 0
@@ -122,7 +124,9 @@ class MetricsWriter:
             manifest = fs.read_manifest()
             live = set(fs.live_names())
             new, gone = [], []
-            for name in sorted(n for n in os.listdir(self.root) if fs.is_member(n)):
+            for name in sorted((set(os.listdir(self.root)) | set(manifest.replaced))):
+                if not fs.is_member(name):
+                    continue
                 first, last = (int(x) for x in name.removesuffix(".parquet").split("-")[1:3])
                 if last <= step:
                     continue
@@ -137,12 +141,17 @@ class MetricsWriter:
                         new.append(out)
                 if name in live or name in manifest.replaced:
                     gone.append(name)
-            if new or gone:
-                fs.write_manifest(type(manifest)(
-                    manifest.generation + 1, tuple(n for n in manifest.compacted if n not in set(gone)) + tuple(new),
-                    {k: v for k, v in manifest.replaced.items() if k not in set(gone)}))
+            if not (new or gone):
+                return dropped
+            now, gone_set = time.time(), set(gone)
+            hidden = type(manifest)(manifest.generation + 1,
+                                    tuple(n for n in manifest.compacted if n not in gone_set) + tuple(new),
+                                    {**manifest.replaced, **{n: manifest.replaced.get(n, now) for n in gone}})
+            fs.write_manifest(hidden)
             for name in gone:
                 (self.root / name).unlink(missing_ok=True)
+            fs.write_manifest(type(manifest)(hidden.generation, hidden.compacted,
+                                             {k: v for k, v in hidden.replaced.items() if k not in gone_set}))
         return dropped
 
     def add(self, row: dict) -> None:
