@@ -19,6 +19,7 @@ four runs.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import time
@@ -32,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from buffer.groups import FINISH_REASONS, STD_MODES, Group, StdMode, all_equal_reason, ragged_reward_stats
+from buffer.fileset import SUMMARY_KEY
 from buffer.layout import BufferDir, BufferError, atomic_file
 from buffer.schema import ROLLOUT_SCHEMA, parquet_write_options
 
@@ -380,4 +382,12 @@ class ShardWriter:
         }
         columns = [per_row[name] if name in per_row else per_group.column(name) for name in ROLLOUT_SCHEMA.names]
         table = pa.Table.from_arrays(columns, schema=ROLLOUT_SCHEMA)
-        return table.replace_schema_metadata({"asyncgrpo.groups": str(len(pending))})
+        cells: dict[tuple[int, bool, str], list] = {}   # what status needs, so it reads no row (buffer.fileset)
+        for g, f, r, size, m in zip(groups, equal.tolist(), reasons, sizes_list, mean.tolist()):
+            c = cells.setdefault((int(g.version), bool(f), r or ""), [0, 0, 0.0])
+            c[0] += 1
+            c[1] += size
+            c[2] += m * size
+        summary = {"rows": n, "cells": [[*k, *v] for k, v in sorted(cells.items())]}
+        return table.replace_schema_metadata({"asyncgrpo.groups": str(len(pending)),
+                                              SUMMARY_KEY: json.dumps(summary)})

@@ -1,11 +1,11 @@
 """`asyncgrpo status`: what is in a buffer, per state and per range of versions.
 
-The fast path reads no group ids and joins nothing, so it stays under a second
-on a buffer of a million groups: one DuckDB scan of the first row of every
-group (sample_index = 0: version, size, filter flag and reason, mean reward)
-summed per (file, version, filter reason), and one scan of the ledger's
-records that used a group up for good (use_index = reuse - 1) counted per
-group version. Every group of a version has the same state but for filtered
+The fast path reads no row of the shards: every shard's footer sums its
+groups per (version, filter flag and reason): groups, completions, sum of
+rewards (the writer and compaction put it there). Shards without one (written
+before) are read by one DuckDB scan of each group's first row (sample_index =
+0), summed the same way. The ledger's records that used a group up for good
+(use_index = reuse - 1) are counted per group version. Every group of a version has the same state but for filtered
 and consumed, so these sums give every state: the states come from the
 function the sampler uses (`buffer.index.group_states`), applied to the
 summed rows, so status and sampling cannot disagree.
@@ -97,25 +97,22 @@ def _newest_trainer_version(con: duckdb.DuckDBPyConnection, ledger: list[Path]) 
 
 
 def _summaries(shards: list[Path]) -> tuple[list[list], list[Path]] | None:
-    """Cells [version, filtered, filter_reason, groups, completions, reward_sum] from the summaries merged
-    shards carry in their footers (buffer.compaction), and the shards without one, to scan; None: a
+    """Cells [version, filtered, filter_reason, groups, completions, reward_sum] from the summaries shards
+    carry in their footers (the writer's and compaction's), and the shards without one, to scan; None: a
     footer failed to read (the careful path names it)."""
     import pyarrow.parquet as pq
 
     cells: list[list] = []
     scan = []
     for p in shards:
-        if not p.name.startswith("c-"):
-            scan.append(p)
-            continue
         try:
             meta = pq.read_metadata(p)
-        except Exception:  # noqa: BLE001 - gone (merged again meanwhile) or damaged: the careful path
+        except Exception:  # noqa: BLE001 - gone (merged meanwhile) or damaged: the careful path
             return None
         summary = read_summary(meta)
         if summary is None or summary["rows"] != meta.num_rows or \
                 sum(c[4] for c in summary["cells"]) != meta.num_rows:
-            scan.append(p)   # an older c-file, or one whose summary does not add up: read its rows
+            scan.append(p)   # an older shard, or one whose summary does not add up: read its rows
             continue
         cells += summary["cells"]
     return cells, scan
