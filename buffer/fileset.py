@@ -140,6 +140,23 @@ class FileSet:
         self.write_manifest(m)
         return m
 
+    def withdraw(self, manifest: Manifest, new: list[str], gone: list[str], dispose: Callable[[str], None]) -> None:
+        """Undo files (a resume "as of step k"): c-files `new` become live and files `gone` invisible, in one
+        manifest write; then `dispose(name)` moves or deletes each gone file; then their names leave the
+        manifest, so a new file may take them. A reader never sees a gone file after the first write, and a
+        kill -9 in between leaves them replaced (the next withdraw or the grace deletion finishes). Caller
+        holds the lock; `manifest` is what it read under it."""
+        if not (new or gone):
+            return
+        now, gone_set = time.time(), set(gone)
+        hidden = Manifest(manifest.generation + 1,
+                          tuple(n for n in manifest.compacted if n not in gone_set) + tuple(new),
+                          {**manifest.replaced, **{n: manifest.replaced.get(n, now) for n in gone}})
+        self.write_manifest(hidden)
+        for name in gone:
+            dispose(name)
+        self.write_manifest(replace(hidden, replaced={k: v for k, v in hidden.replaced.items() if k not in gone_set}))
+
     def delete_expired(self, grace_s: float, now: float | None = None) -> int:
         """Delete files replaced more than `grace_s` ago, then drop them from the manifest; caller holds the lock.
 

@@ -120,21 +120,14 @@ class Sampler:
                     new.append(self._cut(name, step, manifest.generation + 1, len(new)))
                 if live or name in manifest.replaced:
                     gone.append(name)
-            if not (new or gone):
-                return
-            now = time.time()
-            gone_set = set(gone)
-            hidden = type(manifest)(manifest.generation + 1,
-                                    tuple(n for n in manifest.compacted if n not in gone_set) + tuple(new),
-                                    {**manifest.replaced, **{n: manifest.replaced.get(n, now) for n in gone}})
-            fs.write_manifest(hidden)
-            for name in gone:
+
+            def dispose(name: str) -> None:
                 try:
                     os.replace(self.dir.ledger / name, self.dir.abandoned / f"{stamp}-{name}")
                 except FileNotFoundError:
                     pass
-            fs.write_manifest(type(manifest)(hidden.generation, hidden.compacted,
-                                             {k: v for k, v in hidden.replaced.items() if k not in gone_set}))
+
+            fs.withdraw(manifest, new, gone, dispose)
 
     def _cut(self, name: str, step: int, generation: int, i: int) -> str:
         """A merged ledger file's records of steps <= `step`, as a new merged file (not yet live); its name."""

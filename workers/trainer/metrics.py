@@ -141,17 +141,7 @@ class MetricsWriter:
                         new.append(out)
                 if name in live or name in manifest.replaced:
                     gone.append(name)
-            if not (new or gone):
-                return dropped
-            now, gone_set = time.time(), set(gone)
-            hidden = type(manifest)(manifest.generation + 1,
-                                    tuple(n for n in manifest.compacted if n not in gone_set) + tuple(new),
-                                    {**manifest.replaced, **{n: manifest.replaced.get(n, now) for n in gone}})
-            fs.write_manifest(hidden)
-            for name in gone:
-                (self.root / name).unlink(missing_ok=True)
-            fs.write_manifest(type(manifest)(hidden.generation, hidden.compacted,
-                                             {k: v for k, v in hidden.replaced.items() if k not in gone_set}))
+            fs.withdraw(manifest, new, gone, lambda name: (self.root / name).unlink(missing_ok=True))
         return dropped
 
     def add(self, row: dict) -> None:
