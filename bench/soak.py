@@ -50,8 +50,8 @@ measures, while everything runs:
                  for aggregate_ms): what `asyncgrpo status` costs without Python's start-up
                  (status_cli_s, the CLI as a subprocess, one call, is measured beside it; its
                  start-up, about 0.5-1 s here, would hide the trend)
-  live_files     live rollout shards + live ledger files (`buffer.BufferDir.live_shards()` and
-                 `.ledger_shards()`) + metrics and generator_metrics files if any
+  live_files     live rollout shards + ledger files + metrics and generator_metrics files, as
+                 readers list them through each kind's manifest (`workers.compactor.live_files`)
   writer_rss_mb, sampler_rss_mb, compactor_rss_mb
                  VmRSS of each process, from /proc/<pid>/status
 
@@ -65,7 +65,7 @@ Part 2, real (skipped with `--minutes 0`): `asyncgrpo run configs/default.toml
 ends a default run; trainer.max_steps is unset, i.e. unlimited, by default)
 for `--minutes` minutes from the moment its daemons start (the warm start is
 cached in runs/.cache), then SIGINT, as Ctrl-C (the run stops cleanly). Every
-minute: live files (shards, ledger, metrics/*, generator_metrics/*), status
+minute: live files (shards, ledger, metrics, generator_metrics: live ones), status
 time, one SQL aggregate's latency and whether it raised, the newest
 "memory/rss_mb" of the trainer and rss_mb of each generator from their
 metrics (plus VmRSS of the compactor and the supervisor from /proc), and
