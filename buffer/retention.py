@@ -149,7 +149,11 @@ def file_max(path: Path, column: str, meta: pq.FileMetaData | None = None) -> in
 
 def newest_trainer_version(root: str | os.PathLike) -> int | None:
     """The newest trainer version in the ledger (its newest file's max `trainer_version`); None without one."""
-    ledger = BufferDir(root).ledger_shards()
+    return newest_in_ledger(BufferDir(root).ledger_shards())
+
+
+def newest_in_ledger(ledger: list[Path]) -> int | None:
+    """The max `trainer_version` of the newest of these ledger files (sorted by step); None: no file."""
     for p in reversed(ledger):     # newest first; one that vanished (merged meanwhile) is skipped
         try:
             return file_max(p, "trainer_version")

@@ -31,17 +31,13 @@ import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 import buffer
 from buffer.fileset import read_summary
 from buffer.layout import BufferDir, find_buffer
-from buffer.retention import archived_shards, read_floor
-
-if TYPE_CHECKING:
-    import duckdb
+from buffer.retention import archived_shards, newest_in_ledger, read_floor
 
 DEFAULT_MAX_RANGES = 20
 
@@ -88,14 +84,6 @@ class _Rows:
     unreadable: dict[str, str]
 
 
-def _newest_trainer_version(con: duckdb.DuckDBPyConnection, ledger: list[Path]) -> int | None:
-    """The newest trainer version in the newest ledger file; None without a ledger."""
-    if not ledger:
-        return None
-    newest = con.execute("SELECT max(trainer_version) FROM read_parquet(?)", [str(ledger[-1])]).fetchone()[0]
-    return int(newest)
-
-
 def _summaries(shards: list[Path]) -> tuple[list[list], list[Path]] | None:
     """Cells [version, filtered, filter_reason, groups, completions, reward_sum] from the summaries shards
     carry in their footers (the writer's and compaction's), and the shards without one, to scan; None: a
@@ -119,8 +107,8 @@ def _summaries(shards: list[Path]) -> tuple[list[list], list[Path]] | None:
 
 
 def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
-              floor: int | None = None) -> tuple[_Rows, int | None] | None:
-    """Summed rows and the newest trainer version; None if a file fails or a group is partial.
+              floor: int | None = None) -> _Rows | None:
+    """Summed rows; None if a file fails or a group is partial.
 
     floor: the retention bound (buffer.retention.read_floor): versions below it are counted by id.
     """
@@ -132,7 +120,6 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
     summed, scan = found
     con = buffer.offline_connection()
     try:
-        newest = _newest_trainer_version(con, ledger)
         cells = {"version": np.zeros(0, np.int64), "filtered": np.zeros(0, np.bool_),
                  "filter_reason": np.zeros(0, object), "groups": np.zeros(0, np.int64),
                  "completions": np.zeros(0, np.int64), "reward_sum": np.zeros(0, np.float64)}
@@ -172,7 +159,7 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
                  np.concatenate([zero, zero + reuse]), np.ones(2 * len(version), np.bool_),
                  np.concatenate([weight - consumed, consumed]), np.concatenate([completions, zero]),
                  np.concatenate([reward_sum, zero.astype(np.float64)]), {})
-    return rows, newest
+    return rows
 
 
 def _split_consumed(version: np.ndarray, learnable: np.ndarray, used: dict[int, int]) -> np.ndarray:
@@ -194,17 +181,13 @@ def _split_consumed(version: np.ndarray, learnable: np.ndarray, used: dict[int, 
     return out
 
 
-def _read_index(root: Path, ledger: list[Path]) -> tuple[_Rows, int | None]:
+def _read_index(root: Path) -> _Rows:
     """The careful path: a buffer.GroupIndex checks every shard and skips (does not move) bad ones."""
     index = buffer.GroupIndex(root, quarantine=False)
     size = index.group_size.view.astype(np.int64)
     rows = _Rows(index.version.view, index.reason.view, index.use_count.view, index.available.view,
                  np.ones(len(size), np.int64), size, index.reward_mean.view * size, dict(index.unreadable))
-    con = buffer.offline_connection()
-    try:
-        return rows, _newest_trainer_version(con, ledger)
-    finally:
-        con.close()
+    return rows
 
 
 def range_width(versions: np.ndarray, max_rows: int) -> int:
@@ -281,7 +264,8 @@ def buffer_status(path: str | os.PathLike, *, trainer_version: int | None = None
     d = BufferDir(root)
     shards = d.live_shards()
     ledger = d.ledger_shards()
-    g, newest = _read_sql(shards, ledger, reuse, read_floor(root)) or _read_index(root, ledger)
+    g = _read_sql(shards, ledger, reuse, read_floor(root)) or _read_index(root)
+    newest = newest_in_ledger(ledger)
     t = trainer_version
     if t is None:
         t = newest if newest is not None else int(g.version.max()) if len(g.version) else 0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,18 @@ def run_helper(*args: str, timeout: float = 120) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / args[0]), *args[1:]],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def kill_9_at_pause(argv: list[str], marker: Path, timeout: float = 60) -> None:
+    """Start `argv` (a process that writes `marker` when it reaches the point under test, then sleeps),
+    wait for the marker, and kill -9 it there."""
+    proc = subprocess.Popen(argv, env=dict(os.environ, PYTHONPATH=str(REPO)), stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else f"no pause in {timeout:.0f} s"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 
 from buffer import BufferDir, BufferSQL, GroupIndex, Sampler, ShardWriter, compact, compact_ledger, compact_small
 from buffer.layout import ledger_range, run_file_set
-from conftest import REPO, make_group
+from conftest import REPO, kill_9_at_pause, make_group
 from workers.compactor import CompactorConfig, compact_run, live_files
 from workers.generator_stats import GeneratorStats
 from workers.trainer.metrics import MetricsWriter
@@ -222,15 +222,8 @@ def test_kill_9_in_the_middle_of_a_compaction_loses_nothing(run_dir, kind, point
     files = _populate(run_dir)
     assert live_files(run_dir) == files and _exact(run_dir) == EXACT
     marker = run_dir.parent / "paused"
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "compact_pause.py"), str(run_dir),
-                             kind, point, str(marker)], env=dict(os.environ, PYTHONPATH=str(REPO)),
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "no pause in 60 s"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill_9_at_pause([sys.executable, str(REPO / "tests" / "helpers" / "compact_pause.py"), str(run_dir), kind, point,
+                     str(marker)], marker)
     assert _exact(run_dir) == EXACT                        # readers: every row once, none missing
     live = live_files(run_dir)
     assert live[kind] == (1 if point != "written" else files[kind])

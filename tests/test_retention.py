@@ -14,8 +14,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import signal
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -27,7 +25,7 @@ import buffer.retention as retention
 import workers.compactor as compactor
 from buffer import BufferDir, BufferSQL, GroupIndex, Sampler, ShardWriter, SqlError, compact
 from buffer.retention import archive_shards_dir, archived_shards, read_floor, retire_old_shards
-from conftest import REPO, make_group, run_cli
+from conftest import REPO, kill_9_at_pause, make_group, run_cli
 from pipeline.status import buffer_status, print_status
 from workers.compactor import CompactorConfig, DiskWatch, compact_run, dir_bytes, run_compactor
 from workers.stop import StopFlag
@@ -245,14 +243,7 @@ def test_kill_9_in_the_middle_of_retention_loses_nothing(buf, tmp_path, point):
     with Sampler(buf) as s:
         consumed = _pull(s)
     marker = tmp_path / "paused"
-    proc = subprocess.Popen([sys.executable, "-c", _PAUSE, str(buf), point, str(marker), str(KEEP)],
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "no pause in 60 s"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill_9_at_pause([sys.executable, "-c", _PAUSE, str(buf), point, str(marker), str(KEEP)], marker)
     assert len(os.listdir(archive_shards_dir(buf))) == 6
     hot, cold = _ids(buf, "rollouts"), _ids(buf, "archived_rollouts")
     if point == "linked":                      # linked but still live: in rollouts only
