@@ -129,6 +129,7 @@ HEARTBEAT_S = 0.5          # trainer / writer progress files
 STALL_S = 300.0            # no trainer step for this long: the bench stops with an error
 COMPACTOR_SETTINGS = ["compactor.every_s=5", "compactor.min_age_s=2", "compactor.grace_s=10"]
 AGGREGATE_SQL = "SELECT version, avg(reward) AS reward FROM rollouts GROUP BY version"
+LIVE_EVERY_S = 5.0           # real part: live files are counted this often (each minute: its peak and low)
 DECILES = 10
 
 
@@ -724,7 +725,7 @@ def _safe_query(run: Path, sql: str, errors: list) -> tuple[list | None, float]:
 def real(base: Path, args, state: dict) -> dict:
     run = base / "soak-real"
     cmd = [sys.executable, "-m", "pipeline", "run", str(REPO / "configs" / "default.toml"), "--run", str(run),
-           "--set", "run.time_limit_s=none"]
+           "--set", "run.time_limit_s=none"] + [a for kv in args.set for a in ("--set", kv)]
     log(f"real: {' '.join(cmd[2:])} for {args.minutes} min from the daemons' start")
     t_launch = time.time()
     sup = Child("asyncgrpo run", cmd, base / "soak-real.log")
@@ -742,11 +743,18 @@ def real(base: Path, args, state: dict) -> dict:
     from buffer import BufferDir
 
     for m in range(1, args.minutes + 1):
+        seen = []   # live files every LIVE_EVERY_S this minute: one sample a minute drifts through the
+        next_look = time.time()   # compactor's cycle (a pass every ~30 s); the peak does not
         while time.time() < t0 + 60 * m:
             sup.check()
+            if time.time() >= next_look:
+                seen.append(live_files(run)["live_files"])
+                next_look += LIVE_EVERY_S
             time.sleep(min(1.0, max(0.0, t0 + 60 * m - time.time())))
         pids = _children_of(sup.pid)
         row = {"minute": m, "time": round(time.time(), 1), **live_files(run)}
+        seen.append(row["live_files"])
+        row["live_files_peak"], row["live_files_low"] = max(seen), min(seen)
         st = None
         if BufferDir.is_buffer(run / "buffer"):
             try:
@@ -809,15 +817,18 @@ def summarize_real(rows, inv, errors, status_errors, plot, csv_path) -> dict:
     def col(name, rs):
         return [r[name] for r in rs if r.get(name) is not None]
 
-    def slope(rs):   # live files per minute, least squares over the later half
-        xs, ys = col("minute", rs), [r["live_files"] for r in rs]
+    def peak(r):
+        return r.get("live_files_peak", r["live_files"])
+
+    def slope(rs):   # each minute's peak of live files, least squares over the later half, per minute
+        xs, ys = col("minute", rs), [peak(r) for r in rs]
         return rnd(np.polyfit(xs, ys, 1)[0], 2) if len(xs) >= 2 else None
 
     daemons = sorted({k[:-len("_rss_mb")] for r in rows for k in r if k.endswith("_rss_mb")})
     out = {"minutes": n, "steps": rows[-1].get("steps") if rows else None,
-           "live_files_max": max((r["live_files"] for r in rows), default=None),
-           "live_files_max_first_half": max((r["live_files"] for r in early), default=None),
-           "live_files_max_second_half": max((r["live_files"] for r in late), default=None),
+           "live_files_max": max((peak(r) for r in rows), default=None),
+           "live_files_max_first_half": max((peak(r) for r in early), default=None),
+           "live_files_max_second_half": max((peak(r) for r in late), default=None),
            "live_files_slope_second_half_per_min": slope(late),
            "live_files_last": rows[-1]["live_files"] if rows else None}
     mid = rows[half - 1] if half >= 1 else (rows[0] if rows else {})
@@ -852,6 +863,8 @@ def plot_real(rows: list[dict], path: Path) -> Path | None:
         return [r.get(key) if r.get(key) is not None else float("nan") for r in rows]
 
     fig, ax = plt.subplots(4, 1, figsize=(9, 11), sharex=True)
+    ax[0].fill_between(x, series("live_files_low"), series("live_files_peak"), alpha=0.2,
+                       label=f"all live: range within the minute (every {LIVE_EVERY_S:.0f} s)")
     for key, label in (("live_files", "all live"), ("live_shards", "rollout shards"), ("ledger_files", "ledger"),
                        ("metrics_files", "metrics"), ("generator_metrics_files", "generator_metrics")):
         ax[0].plot(x, series(key), marker=".", label=label)
@@ -898,6 +911,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="where the temp dir goes (default: the system's)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (run directories, logs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the real part's `asyncgrpo run` (repeatable), "
+                         "e.g. --set generator.scheduler.kind=difficulty")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="run the writer and trainer under cProfile; writer.prof and trainer.prof go to DIR")
     ap.add_argument("--role", choices=["writer", "trainer"], help=argparse.SUPPRESS)

@@ -13,7 +13,13 @@ buffer/fileset.py for the manifest protocol that keeps readers exact):
 Each pass, under the set's lock:
 
 1. picks live files older than `min_age_s` (sealed) and smaller than the target,
-   oldest first;
+   oldest first; for rollout shards with `fanout` set, c-files of at least
+   half the target go to levels instead: `fanout` c-files of level k (t *
+   fanout^(k-1) <= groups < t * fanout^k, t = target / 2, k >= 1, oldest
+   first) become one of the next level, up to
+   `max_groups` groups a file, so a run of N groups keeps about
+   N / max_groups + (fanout - 1) * levels c-files instead of N / target, and
+   each group is rewritten about once per level;
 2. writes each batch of them as one c-file (rollout shards keep their sources'
    row groups, each holding whole groups, so a pull still reads only the row
    groups it needs); the c-file is invisible until step 3; its footer names
@@ -48,6 +54,12 @@ from buffer.schema import parquet_write_options
 
 LEDGER_TARGET_ROWS = 262_144   # ledger records per merged ledger file (one per group pulled)
 C_ROW_GROUP_GROUPS = 256       # groups per row group of a merged rollout shard (at least; whole source row groups)
+LEVEL_FANOUT = 4               # c-files of one level merged into one of the next (compactor.fanout)
+LEVEL_MAX_GROUPS = 65_536      # no level merge writes a file of more groups (compactor.max_groups)
+# Row groups of a level merge (old data, rarely pulled) hold at least this many bytes (Arrow, uncompressed)
+# as well: DuckDB pays per row group, and an aggregate over row groups of 2,048 rows took twice as long
+# as over 16,384 (10.7M rows, 2 cores); a pull from such a file reads one of them.
+LEVEL_ROW_GROUP_BYTES = 4 << 20
 _SUMMARY_COLUMNS = ("version", "filtered", "filter_reason", "group_size", "group_reward_mean")
 
 
@@ -67,14 +79,17 @@ class CompactionReport:
 
 
 def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: float = 60.0,
-            grace_s: float = 300.0, min_files: int = 2) -> CompactionReport:
-    """Merge sealed small rollout shards into c-files of about `target_groups` groups; see module doc."""
+            grace_s: float = 300.0, min_files: int = 2, fanout: int | None = None,
+            max_groups: int = LEVEL_MAX_GROUPS) -> CompactionReport:
+    """Merge sealed small rollout shards into c-files of about `target_groups` groups, and with
+    `fanout`, c-files into levels of up to `max_groups` groups; see module doc."""
     d = BufferDir(root)
     fs = d.shard_set
     report = CompactionReport()
     with d.lock:
         now = time.time()
         candidates: list[tuple[Path, int]] = []
+        merged: list[tuple[Path, int]] = []   # sealed c-files of at least target_groups / 2: level merges
         cache = _GROUP_COUNTS.get(d.root, {})
         seen: dict[str, tuple[int, int, int]] = {}
         for p in fs.live():
@@ -94,15 +109,20 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
                 d.quarantine(p, f"unreadable during compaction: {type(e).__name__}: {e}")
                 report.quarantined += 1
                 continue
-            if groups < target_groups:
+            if fanout and p.name.startswith("c-") and groups >= target_groups // 2:
+                merged.append((p, groups))   # a base merge's c-file (at most target_groups, often a few less)
+            elif groups < target_groups:
                 candidates.append((p, groups))
         _GROUP_COUNTS[d.root] = seen   # bounded: only the live (sealed) names stay
-        batches = [b for b in _batches(candidates, target_groups) if len(b) >= min_files]
+        batches = [(b, C_ROW_GROUP_GROUPS, 0) for b in _batches(candidates, target_groups) if len(b) >= min_files]
+        if fanout:
+            batches += [(b, C_ROW_GROUP_GROUPS, LEVEL_ROW_GROUP_BYTES)
+                        for b in _levels(merged, max(target_groups // 2, 1), fanout, max_groups)]
         generation = fs.read_manifest().generation + 1
         new, sources = [], []
-        for i, batch in enumerate(batches):
+        for i, (batch, rg_groups, rg_bytes) in enumerate(batches):
             out_name = f"c-{generation:06d}-{i:04d}.parquet"
-            groups = _merge_shards(d, batch, out_name)
+            groups = _merge_shards(d, batch, out_name, rg_groups=rg_groups, rg_bytes=rg_bytes)
             if groups is None:
                 continue
             new.append(out_name)
@@ -126,15 +146,26 @@ def compact_ledger(root: str | os.PathLike, *, target_rows: int = LEDGER_TARGET_
     """
     d = BufferDir(root)
     return compact_small(d.ledger_set, target_rows=target_rows, min_age_s=min_age_s, grace_s=grace_s,
-                         min_files=min_files, order=ledger_range)
+                         min_files=min_files, order=ledger_range, summary=ledger_summary)
+
+
+def ledger_summary(t: pa.Table) -> dict:
+    """A merged ledger file's records counted per (group_version, use_index), for `status`, which then
+    reads no record of it: {"rows": n, "cells": [[group_version, use_index, records], ...]}."""
+    agg = pa.table({"v": t.column("group_version"), "u": t.column("use_index")}).group_by(
+        ["v", "u"], use_threads=False).aggregate([("v", "count")])
+    cells = sorted(zip(*(agg.column(c).to_pylist() for c in ("v", "u", "v_count"))))
+    return {"rows": t.num_rows, "cells": [list(c) for c in cells]}
 
 
 def compact_small(fs: FileSet, *, target_rows: int, min_age_s: float, grace_s: float, min_files: int = 2,
-                  order: Callable[[str], object] | None = None, sort_by: str | None = None) -> CompactionReport:
+                  order: Callable[[str], object] | None = None, sort_by: str | None = None,
+                  summary: Callable[[pa.Table], dict] | None = None) -> CompactionReport:
     """Merge sealed small files of a set whose files are small tables (ledger, metrics); c-files named by fs.c_name.
 
     order(name) -> the sort key of files (default: the name); sort_by: a column whose
-    first value orders the sources inside a c-file.
+    first value orders the sources inside a c-file; summary(table): a dict for the c-file's
+    footer (FileSet.merge_tables).
     """
     report = CompactionReport()
     if not fs.folder.is_dir():
@@ -160,7 +191,7 @@ def compact_small(fs: FileSet, *, target_rows: int, min_age_s: float, grace_s: f
         for i, batch in enumerate(batches):
             names = [p.name for p in batch]
             out_name = fs.c_name(generation, i, names)
-            report.groups += fs.merge_tables(names, out_name, sort_by=sort_by)
+            report.groups += fs.merge_tables(names, out_name, sort_by=sort_by, summary=summary)
             new.append(out_name)
             sources += names
             report.merged_files += len(batch)
@@ -185,6 +216,26 @@ def _batches(candidates: list[tuple[Path, int]], target: int) -> list[list[Path]
     return batches
 
 
+def _levels(files: list[tuple[Path, int]], base: int, fanout: int, max_groups: int) -> list[list[Path]]:
+    """Level merges: runs of `fanout` c-files of one level k >= 1 (base * fanout^(k-1) <= groups <
+    base * fanout^k), oldest first (c-file names sort by generation), where `fanout` of them make
+    at most `max_groups` groups."""
+    by_level: dict[int, list[tuple[Path, int]]] = {}
+    for p, n in files:
+        level, top = 1, base * fanout
+        while n >= top:
+            level, top = level + 1, top * fanout
+        by_level.setdefault(level, []).append((p, n))
+    out = []
+    for level in sorted(by_level):
+        run = sorted(by_level[level], key=lambda pn: pn[0].name)
+        for i in range(0, len(run) - fanout + 1, fanout):
+            chunk = run[i:i + fanout]
+            if sum(n for _, n in chunk) <= max_groups:
+                out.append([p for p, _ in chunk])
+    return out
+
+
 def _group_count(meta: pq.FileMetaData) -> int:
     """Groups in a shard, from the count every writer puts in the footer."""
     kv = meta.metadata or {}
@@ -193,11 +244,12 @@ def _group_count(meta: pq.FileMetaData) -> int:
     return meta.num_rows  # an upper bound; fine for choosing what is small
 
 
-def _merge_shards(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
+def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_groups: int = C_ROW_GROUP_GROUPS,
+                  rg_bytes: int = 0) -> int | None:
     """Write the shards in `batch` as one file (temp + rename); its group count, or None.
 
     The sources' row groups (each holding whole groups) are concatenated into
-    row groups of at least C_ROW_GROUP_GROUPS groups: a c-file of many small
+    row groups of at least `rg_groups` groups and `rg_bytes` bytes: a c-file of many small
     flush shards would otherwise carry hundreds of row groups, and a footer of
     hundreds of KB that every SQL query and `status` parses.
     """
@@ -205,16 +257,16 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
     writer = None
     sources = []
     pending: list = []
-    pending_groups = 0
+    pending_groups = pending_bytes = 0
     firsts: list[pa.Table] = []   # each group's first row: its per-group columns, for the summary
 
     def write_pending() -> None:
-        nonlocal writer, pending, pending_groups
+        nonlocal writer, pending, pending_groups, pending_bytes
         t = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
         if writer is None:
             writer = pq.ParquetWriter(f, t.schema.remove_metadata(), **parquet_write_options())
         writer.write_table(t, row_group_size=max(t.num_rows, 1))
-        pending, pending_groups = [], 0
+        pending, pending_groups, pending_bytes = [], 0, 0
 
     try:
         with atomic_file(d.tmp, d.shards / out_name) as f:
@@ -233,8 +285,9 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str) -> int | None:
                     pending.append(t.replace_schema_metadata(None))
                     firsts.append(t.filter(pc.equal(t.column("sample_index"), 0)).select(list(_SUMMARY_COLUMNS)))
                     pending_groups += n
+                    pending_bytes += t.nbytes
                     groups += n
-                    if pending_groups >= C_ROW_GROUP_GROUPS:
+                    if pending_groups >= rg_groups and pending_bytes >= rg_bytes:
                         write_pending()
             if pending:
                 write_pending()

@@ -66,9 +66,9 @@ def read_sources(meta: pq.FileMetaData) -> list[tuple[str, int]] | None:
 
 
 def read_summary(meta: pq.FileMetaData) -> dict | None:
-    """The summary a merged rollout shard's footer holds (buffer.compaction): {"rows": n, "cells":
-    [[version, filtered, filter_reason, groups, completions, reward_sum], ...]} (filter_reason '' when
-    none); None for a shard without one."""
+    """The summary a footer holds (buffer.compaction), None for a file without one: {"rows": n, "cells":
+    [...]}, a rollout shard's cells [version, filtered, filter_reason, groups, completions, reward_sum]
+    (filter_reason '' when none), a merged ledger file's [group_version, use_index, records]."""
     raw = (meta.metadata or {}).get(SUMMARY_KEY)
     return None if raw is None else json.loads(raw)
 
@@ -187,13 +187,15 @@ class FileSet:
                                                             if k not in set(expired)}))
         return len(expired)
 
-    def merge_tables(self, names: list[str], out_name: str, *, sort_by: str | None = None) -> int:
+    def merge_tables(self, names: list[str], out_name: str, *, sort_by: str | None = None,
+                     summary: Callable[[object], dict] | None = None) -> int:
         """Write the small files `names` as one c-file `out_name` (invisible until `swap`); its rows.
 
         Every source is read whole (ledger and metrics files are small); columns
         a source lacks read as null (metrics rows gain keys over a run). The
         footer names the sources and their rows in order. With `sort_by`, the
-        sources are taken in the order of that column's first value.
+        sources are taken in the order of that column's first value. With `summary`,
+        the footer also holds summary(merged table) under SUMMARY_KEY (see read_summary).
         """
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -204,7 +206,10 @@ class FileSet:
         merged = pa.concat_tables([t.replace_schema_metadata(None) for _, t in tables],
                                   promote_options="permissive")
         sources = [[n, t.num_rows] for n, t in tables]
-        merged = merged.replace_schema_metadata({SOURCES_KEY: json.dumps(sources).encode()})
+        meta = {SOURCES_KEY: json.dumps(sources).encode()}
+        if summary is not None:
+            meta[SUMMARY_KEY] = json.dumps(summary(merged)).encode()
+        merged = merged.replace_schema_metadata(meta)
         with atomic_file(self.tmp, self.folder / out_name) as f:
             pq.write_table(merged, f, compression="zstd")
         return merged.num_rows

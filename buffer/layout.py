@@ -56,7 +56,13 @@ def ledger_range(name: str) -> tuple[int, int]:
     """(first, last) trainer step of a ledger file, from its name."""
     parts = name.removesuffix(SHARD_SUFFIX).split("-")
     first = int(parts[1])
-    return (first, int(parts[3])) if len(parts) == 4 and parts[2].startswith("c") else (first, first)
+    return (first, int(parts[3])) if ledger_is_merged(name) else (first, first)
+
+
+def ledger_is_merged(name: str) -> bool:
+    """Whether a ledger file's name is a merged file's (ledger_c_name, or a resume's cut of one)."""
+    parts = name.removesuffix(SHARD_SUFFIX).split("-")
+    return len(parts) == 4 and parts[2].startswith("c")
 
 
 def ledger_c_name(generation: int, i: int, names: list[str]) -> str:

@@ -5,7 +5,9 @@ groups per (version, filter flag and reason): groups, completions, sum of
 rewards (the writer and compaction put it there). Shards without one (written
 before) are read by one DuckDB scan of each group's first row (sample_index =
 0), summed the same way. The ledger's records that used a group up for good
-(use_index = reuse - 1) are counted per group version. Every group of a version has the same state but for filtered
+(use_index = reuse - 1) are counted per group version: from the counts per
+(group version, use index) in merged ledger files' footers, and by one scan of
+the rest (each pull's own small file, a resume's cut file). Every group of a version has the same state but for filtered
 and consumed, so these sums give every state: the states come from the
 function the sampler uses (`buffer.index.group_states`), applied to the
 summed rows, so status and sampling cannot disagree.
@@ -36,7 +38,7 @@ import numpy as np
 
 import buffer
 from buffer.fileset import read_summary
-from buffer.layout import BufferDir, find_buffer
+from buffer.layout import BufferDir, find_buffer, ledger_is_merged
 from buffer.retention import archived_shards, newest_in_ledger, read_floor
 
 DEFAULT_MAX_RANGES = 20
@@ -106,6 +108,32 @@ def _summaries(shards: list[Path]) -> tuple[list[list], list[Path]] | None:
     return cells, scan
 
 
+def _ledger_summaries(ledger: list[Path]) -> tuple[dict[tuple[int, int], int], list[Path]] | None:
+    """Records per (group_version, use_index) from the summaries merged ledger files carry in their
+    footers (buffer.compaction.ledger_summary), and the files without one, to scan; None: a footer failed
+    to read."""
+    import pyarrow.parquet as pq
+
+    counts: dict[tuple[int, int], int] = {}
+    plain = []
+    for p in ledger:
+        if not ledger_is_merged(p.name):
+            plain.append(p)   # one pull's records: no summary, a small file
+            continue
+        try:
+            meta = pq.read_metadata(p)
+        except Exception:  # noqa: BLE001 - gone (merged meanwhile) or damaged: the careful path
+            return None
+        summary = read_summary(meta)
+        if summary is None or summary["rows"] != meta.num_rows or \
+                sum(c[2] for c in summary["cells"]) != meta.num_rows:
+            plain.append(p)   # a resume's cut, or an older merged file: read its records
+            continue
+        for v, u, n in summary["cells"]:
+            counts[(v, u)] = counts.get((v, u), 0) + n
+    return counts, plain
+
+
 def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
               floor: int | None = None) -> _Rows | None:
     """Summed rows; None if a file fails or a group is partial.
@@ -134,8 +162,15 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
         if ledger:
             files = [str(p) for p in ledger]
             low = -(2 ** 62) if floor is None else floor
-            for v, n in con.execute(_CONSUMED_SQL, {"ledger": files, "last": reuse - 1, "floor": low}).fetchall():
-                used[int(v)] = int(n)
+            found = _ledger_summaries(ledger)
+            if found is None:
+                return None
+            used, plain = found
+            used = {v: n for (v, u), n in used.items() if u == reuse - 1 and v >= low}
+            if plain:
+                for v, n in con.execute(_CONSUMED_SQL, {"ledger": [str(p) for p in plain], "last": reuse - 1,
+                                                        "floor": low}).fetchall():
+                    used[int(v)] = used.get(int(v), 0) + int(n)
             if floor is not None and shards:
                 for v, n in con.execute(_CONSUMED_BELOW_SQL, {"shards": [str(p) for p in shards], "ledger": files,
                                                               "last": reuse - 1, "floor": floor}).fetchall():

@@ -73,7 +73,9 @@ def test_compactor_turned_off_is_a_user_error(run_with_shards):
 
 @pytest.mark.parametrize("key, value, need", [("every_s", "0", "a number of seconds > 0, or none"),
                                               ("min_age_s", "-1", "a number of seconds >= 0"),
-                                              ("target_groups", "1", "an integer >= 2")])
+                                              ("target_groups", "1", "an integer >= 2"),
+                                              ("fanout", "1", "an integer >= 2, or none"),
+                                              ("max_groups", "100", "an integer >= compactor.target_groups (4096)")])
 def test_bad_compactor_settings_name_the_key(key, value, need):
     r = run_cli("config", "--set", f"compactor.{key}={value}")
     assert r.returncode == 2 and f"compactor.{key}" in r.stderr and need in r.stderr

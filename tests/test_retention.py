@@ -273,14 +273,15 @@ def _run_with_checkpoint(tmp_path, steps=(9,)):
     return run, ids
 
 
-def test_the_compactor_retires_merged_c_files_after_compacting(tmp_path):
+def test_the_compactor_retires_old_shards_before_merging_them(tmp_path):
+    """Shards old enough leave before the merges (a level merge would tie them to newer groups); the rest merge."""
     run, ids = _run_with_checkpoint(tmp_path)
     cfg = CompactorConfig(min_age_s=0.0, grace_s=0.0, target_groups=10, keep_versions=KEEP)
     reports = compact_run(run, cfg)
-    assert reports["shards"].written_files == 10                   # one c-file per version
+    assert reports["shards"].written_files == 4                    # versions 6..9: one c-file each
     r = reports["retention"]
-    assert (r.trainer_version, r.files, r.groups, r.deleted_files) == (9, 6, 60, 6)
-    assert all(p.name.startswith("c-") for p in archived_shards(run / "buffer"))
+    assert (r.trainer_version, r.files, r.groups, r.deleted_files) == (9, 12, 60, 12)   # 2 shards a version
+    assert not any(p.name.startswith("c-") for p in archived_shards(run / "buffer"))
     assert _ids(run, "rollouts") == sorted(ids[60:]) and _ids(run, "archived_rollouts") == sorted(ids[:60])
     assert len(os.listdir(run / "buffer" / "shards")) == 4
 
@@ -309,8 +310,8 @@ def test_the_daemon_logs_retention_and_counts_it(tmp_path, caplog):
                           retention="delete", min_free_gb=None)
     with caplog.at_level(logging.INFO, logger="asyncgrpo.compactor"):
         totals = run_compactor(run, cfg, stop)
-    assert (totals["passes"], totals["retired_files"], totals["retired_groups"]) == (1, 6, 60)
-    assert any("retention deleted 6 shards (60 groups, all older than version 6" in r.getMessage()
+    assert (totals["passes"], totals["retired_files"], totals["retired_groups"]) == (1, 12, 60)
+    assert any("retention deleted 12 shards (60 groups, all older than version 6" in r.getMessage()
                for r in caplog.records)
     assert archived_shards(run / "buffer") == [] and _ids(run, "archived_rollouts") is None
 

@@ -9,7 +9,8 @@ The compactor keeps the live file count bounded:
     until SIGTERM / SIGINT:
         compact_run(run, cfg):
             buffer.compact: rollout shards older than min_age_s (sealed) and smaller
-                than target_groups become c-files of about target_groups groups
+                than target_groups become c-files of about target_groups groups; fanout
+                c-files of a level become one of the next, up to max_groups groups
             buffer.compact_ledger: ledger files become merged files of about
                 target_rows records, in step order
             retention (only with keep_versions set): live shards whose groups are all
@@ -33,6 +34,7 @@ several machines.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -65,6 +67,13 @@ class CompactorConfig:
     """Merged-away shards stay on disk this long for readers that listed them before, >= 0."""
     target_groups: int = 4096
     """Groups per merged shard (c-file), >= 2."""
+    fanout: int | None = 4
+    """Level merges of rollout shards: this many c-files of one level (target_groups * fanout^(k-1) to
+    target_groups * fanout^k groups) become one of the next, up to max_groups groups a file, so a long
+    run keeps few large c-files (SQL and `status` pay per file and per row group) and rewrites each
+    group about once per level; >= 2, or none (c-files stay at about target_groups)."""
+    max_groups: int = 65_536
+    """Largest c-file a level merge writes, in groups, >= target_groups."""
     target_rows: int = 262_144
     """Rows per merged ledger, metrics or generator-metrics file, >= 2."""
     keep_versions: int | None = None
@@ -90,6 +99,9 @@ class CompactorConfig:
         require(self, "min_age_s", is_num(self.min_age_s, 0), "a number of seconds >= 0")
         require(self, "grace_s", is_num(self.grace_s, 0), "a number of seconds >= 0")
         require(self, "target_groups", is_int(self.target_groups, 2), "an integer >= 2")
+        require(self, "fanout", self.fanout is None or is_int(self.fanout, 2), "an integer >= 2, or none (no levels)")
+        require(self, "max_groups", is_int(self.max_groups, 2) and self.max_groups >= self.target_groups,
+                f"an integer >= compactor.target_groups ({self.target_groups})")
         require(self, "target_rows", is_int(self.target_rows, 2), "an integer >= 2")
         require(self, "keep_versions", self.keep_versions is None or is_int(self.keep_versions, 0),
                 "an integer >= 0 (at least trainer.max_staleness), or none (keep everything)")
@@ -104,24 +116,31 @@ KINDS = ("shards", "ledger", "metrics", "generator_metrics")
 GB = 1e9
 DISK_WARN_EVERY_S = 600.0      # each disk warning at most this often
 BUDGET_SHARE = 0.9             # warn above this share of compactor.disk_budget_gb
-_CHECKPOINT = re.compile(r"^step-(\d+)\.pt$")   # workers/trainer/checkpoint.py's names (it imports torch)
+_CHECKPOINT = re.compile(r"^step-(\d+)\.(pt|dcp)$")   # workers/trainer/checkpoint.py's names (it imports torch)
 
 
 def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict:
     """One pass over every file set of the run that exists yet; a CompactionReport per kind (KINDS).
 
-    With cfg.keep_versions set, also a RetentionReport ("retention"), after the merges, so
-    that merged c-files old enough leave too.
+    With cfg.keep_versions set, also a RetentionReport ("retention"): of a retention pass before
+    the merges and one after (so that merged c-files old enough leave too), summed.
     """
     run = Path(run_dir)
     root = run / "buffer"
     out = {}
     ages = dict(min_age_s=cfg.min_age_s, grace_s=cfg.grace_s)
     if buffer.BufferDir.is_buffer(root):    # the first generator flush creates it
-        out["shards"] = buffer.compact(root, target_groups=cfg.target_groups, **ages)
+        # With retention, files old enough leave before the merges too: a level merge would otherwise
+        # put them in one file with newer groups, which keeps them all until the newest is old enough.
+        before = retire(run, cfg) if cfg.keep_versions is not None else None
+        out["shards"] = buffer.compact(root, target_groups=cfg.target_groups, fanout=cfg.fanout,
+                                       max_groups=cfg.max_groups, **ages)
         out["ledger"] = buffer.compact_ledger(root, target_rows=cfg.target_rows, **ages)
-        if cfg.keep_versions is not None:
-            out["retention"] = retire(run, cfg)
+        if before is not None:
+            after = retire(run, cfg)
+            out["retention"] = dataclasses.replace(after, files=before.files + after.files,
+                                                   groups=before.groups + after.groups,
+                                                   deleted_files=before.deleted_files + after.deleted_files)
     if (run / "metrics").is_dir():
         out["metrics"] = buffer.compact_small(run_file_set(run / "metrics", "metrics"), target_rows=cfg.target_rows,
                                               sort_by="step", **ages)

@@ -149,7 +149,8 @@ def status(path: str, trainer_version: int | None, max_staleness: int | None, re
 def compact(path: str, target_groups: int, min_age: float, grace: float) -> None:
     """Merge small sealed files of the buffer (or run) at PATH into large ones.
 
-    Rollout shards become c-files of about --target-groups groups; the
+    Rollout shards become c-files of about --target-groups groups, and
+    every 4 c-files of one size level one of the next (up to 65,536 groups); the
     ledger's one-file-per-pull records, and in a run directory the trainer's
     and the generators' metrics files, become files of up to 262,144 rows.
     Safe while generators, the trainer and SQL queries run: readers go
@@ -162,14 +163,16 @@ def compact(path: str, target_groups: int, min_age: float, grace: float) -> None
       asyncgrpo compact runs/demo --min-age 0
     """
     root = find_buffer(path)
-    r = buffer.compact(root, target_groups=target_groups, min_age_s=min_age, grace_s=grace)
+    defaults = CompactorConfig()
+    r = buffer.compact(root, target_groups=target_groups, min_age_s=min_age, grace_s=grace, fanout=defaults.fanout,
+                       max_groups=max(defaults.max_groups, target_groups))
     click.echo(f"merged {r.merged_files} shards ({r.groups} groups) into {r.written_files}; "
                f"deleted {r.deleted_files} replaced shards; quarantined {r.quarantined}")
     others = {"ledger": buffer.compact_ledger(root, min_age_s=min_age, grace_s=grace)}
     run = root.parent if root.name == "buffer" else None
     for kind in ("metrics", "generator_metrics"):
         if run is not None and (run / kind).is_dir():
-            others[kind] = buffer.compact_small(run_file_set(run / kind, kind), target_rows=CompactorConfig().target_rows,
+            others[kind] = buffer.compact_small(run_file_set(run / kind, kind), target_rows=defaults.target_rows,
                                                 min_age_s=min_age, grace_s=grace,
                                                 sort_by="step" if kind == "metrics" else None)
     for kind, o in others.items():

@@ -1,0 +1,125 @@
+"""Level merges of rollout shards, and the ledger's footer summary that `status` reads instead of records.
+
+A run of days makes millions of groups: with c-files of `target_groups` each,
+SQL and `status` would pay for hundreds of files and thousands of small row
+groups. Level merges (buffer.compaction: `fanout` c-files of one level become
+one of the next, up to `max_groups`) keep few large files; merged ledger files
+carry their record counts per (group version, use index), so `status` reads
+their footers only.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+from buffer import BufferDir, BufferSQL, GroupIndex, Sampler, compact, compact_ledger
+from buffer.fileset import SUMMARY_KEY, read_summary
+from pipeline.status import buffer_status
+from test_compaction_sets import NOW, _consumed, _fill, _pull_steps
+
+LEVELS = dict(target_groups=20, fanout=2, max_groups=80, **NOW)
+
+
+def _live(buf) -> dict[str, int]:
+    """Live shard name -> groups (from the footer count every writer and merge puts there)."""
+    d = BufferDir(buf)
+    return {p.name: int(pq.read_metadata(p).metadata[b"asyncgrpo.groups"]) for p in d.live_shards()}
+
+
+def test_level_merges_rewrite_c_files_into_fewer_larger_ones_while_a_trainer_pulls_each_group_once(buf):
+    ids = _fill(buf, 160, flush_groups=10)                     # 16 shards of 10 groups
+    pulled = []
+    with Sampler(buf) as s:
+        def pull(step):
+            pulled.extend(s.pull(5, trainer_version=0, trainer_step=step, max_staleness=None).group_ids)
+
+        pull(1)
+        sizes = []
+        for step in range(2, 6):
+            compact(buf, **LEVELS)
+            sizes.append(sorted(_live(buf).values()))
+            pull(step)
+        # base: 16 shards -> 8 c-files of 20; levels of 10 * 2^(k-1) groups: 20 -> 4 of 40 -> 2 of 80;
+        # level 3 would make 160 > max_groups: stays
+        assert sizes == [[20] * 8, [40] * 4, [80] * 2, [80] * 2]
+        step = 6
+        while len(pulled) < len(ids):
+            pull(step)
+            step += 1
+    assert sorted(pulled) == sorted(ids)                       # every group exactly once, across three rewrites
+    consumed = _consumed(buf)
+    assert len(consumed) == 160 and len({g for g, _ in consumed}) == 160
+    sql = BufferSQL(buf).query("SELECT count(*) AS n, count(DISTINCT group_id) AS g FROM rollouts").to_pylist()
+    assert sql == [{"n": 160 * 4, "g": 160}]
+    assert GroupIndex(buf).counts(0, None)["consumed"] == 160
+
+
+def test_level_merged_files_have_large_row_groups_and_a_base_merge_keeps_small_ones(buf):
+    _fill(buf, 160, flush_groups=10)
+    compact(buf, **LEVELS)
+    base = [pq.read_metadata(p) for p in BufferDir(buf).live_shards()]
+    # base merges cut row groups at C_ROW_GROUP_GROUPS (256) groups: 20 groups stay one row group each
+    assert [m.num_row_groups for m in base] == [1] * 8
+    compact(buf, **LEVELS)
+    compact(buf, **LEVELS)
+    merged = [pq.read_metadata(p) for p in BufferDir(buf).live_shards()]
+    # 80 groups of 4 rows: far below LEVEL_ROW_GROUP_BYTES, so one row group per file
+    assert [(m.num_rows, m.num_row_groups) for m in merged] == [(320, 1), (320, 1)]
+    summary = [read_summary(m) for m in merged]
+    assert [s["rows"] for s in summary] == [320, 320]
+    assert sum(c[3] for s in summary for c in s["cells"]) == 160     # groups per (version, reason) add up
+
+
+def test_no_level_merges_without_fanout(buf):
+    _fill(buf, 160, flush_groups=10)
+    for _ in range(3):
+        compact(buf, target_groups=20, **NOW)
+    assert sorted(_live(buf).values()) == [20] * 8
+
+
+def test_merged_ledger_footer_counts_records_per_version_and_use_and_status_reads_it(buf):
+    _fill(buf, 200, versions=[i // 50 for i in range(200)])   # versions 0..3, 50 groups each
+    with Sampler(buf, reuse=2) as s:
+        for step in range(1, 61):   # 300 pulls: every group once (use_index 0), then 100 of them again (1)
+            s.pull(5, trainer_version=3, trainer_step=step, max_staleness=None)
+    compact_ledger(buf, **NOW)
+    (name,) = BufferDir(buf).ledger_shard_names()
+    meta = pq.read_metadata(BufferDir(buf).ledger / name)
+    summary = json.loads(meta.metadata[SUMMARY_KEY])
+    rows = BufferSQL(buf).query("SELECT group_version AS v, use_index AS u, count(*) AS n FROM consumed "
+                                "GROUP BY 1, 2 ORDER BY 1, 2").to_pylist()
+    assert summary == {"rows": 300, "cells": [[r["v"], r["u"], r["n"]] for r in rows]}
+    for reuse in (1, 2):
+        fast = buffer_status(buf, trainer_version=3, reuse=reuse, max_ranges=None)
+        careful = GroupIndex(buf).counts(3, None, reuse)
+        assert fast["consumed"] == careful["consumed"] == (100 if reuse == 2 else 200)
+        assert {k: fast[k] for k in careful} == careful
+
+
+def test_status_scans_a_resume_cut_ledger_file_which_has_no_summary(buf):
+    _fill(buf, 200)
+    first = _pull_steps(buf, 20)
+    compact_ledger(buf, **NOW)
+    _pull_steps(buf, 8, first_step=13, as_of_step=12)          # cuts the merged file at step 12
+    d = BufferDir(buf)
+    cut = d.ledger_shard_names()[0]
+    assert read_summary(pq.read_metadata(d.ledger / cut)) is None
+    assert buffer_status(buf)["consumed"] == 100 == GroupIndex(buf).counts(0, None)["consumed"]
+    assert len(first) == 20
+
+
+def test_a_summary_that_does_not_add_up_is_not_trusted(buf):
+    """A merged ledger file whose footer summary disagrees with its rows is scanned instead."""
+    from buffer.compaction import compact_small, ledger_summary
+
+    _fill(buf, 100)
+    _pull_steps(buf, 10)
+
+    def wrong(t):
+        s = ledger_summary(t)
+        s["cells"][0][2] += 7
+        return s
+
+    compact_small(BufferDir(buf).ledger_set, target_rows=1000, summary=wrong, **NOW)
+    assert buffer_status(buf)["consumed"] == 50
