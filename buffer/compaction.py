@@ -48,7 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from buffer.fileset import SOURCES_KEY, SUMMARY_KEY, FileSet
+from buffer.fileset import SHARD_SUMMARY, SOURCES_KEY, SUMMARY_KEY, FileSet, pack_columns
 from buffer.layout import BufferDir, atomic_file, ledger_range
 from buffer.schema import parquet_write_options
 
@@ -151,11 +151,13 @@ def compact_ledger(root: str | os.PathLike, *, target_rows: int = LEDGER_TARGET_
 
 def ledger_summary(t: pa.Table) -> dict:
     """A merged ledger file's records counted per (group_version, use_index), for `status`, which then
-    reads no record of it: {"rows": n, "cells": [[group_version, use_index, records], ...]}."""
+    reads no record of it: {"rows": n, "columns": packed LEDGER_SUMMARY columns} (buffer.fileset)."""
     agg = pa.table({"v": t.column("group_version"), "u": t.column("use_index")}).group_by(
         ["v", "u"], use_threads=False).aggregate([("v", "count")])
-    cells = sorted(zip(*(agg.column(c).to_pylist() for c in ("v", "u", "v_count"))))
-    return {"rows": t.num_rows, "cells": [list(c) for c in cells]}
+    cells = pa.table({"group_version": agg.column("v"), "use_index": agg.column("u"),
+                      "records": agg.column("v_count")}).sort_by([("group_version", "ascending"),
+                                                                  ("use_index", "ascending")])
+    return {"rows": t.num_rows, "columns": pack_columns(cells)}
 
 
 def compact_small(fs: FileSet, *, target_rows: int, min_age_s: float, grace_s: float, min_files: int = 2,
@@ -311,9 +313,10 @@ def _summary(firsts: list[pa.Table], num_rows: int) -> dict:
                   "reward_sum": pc.multiply(t.column("group_reward_mean"), t.column("group_size").cast(pa.float64()))})
     agg = t.group_by(["version", "filtered", "filter_reason"], use_threads=False).aggregate(
         [("group_size", "count"), ("group_size", "sum"), ("reward_sum", "sum")])
-    cells = sorted(zip(*(agg.column(c).to_pylist() for c in ("version", "filtered", "filter_reason", "group_size_count",
-                                                               "group_size_sum", "reward_sum_sum"))))
-    return {"rows": num_rows, "cells": [list(c) for c in cells]}
+    cells = pa.table([agg.column(c) for c in ("version", "filtered", "filter_reason", "group_size_count",
+                                              "group_size_sum", "reward_sum_sum")], names=list(SHARD_SUMMARY))
+    cells = cells.sort_by([("version", "ascending"), ("filtered", "ascending"), ("filter_reason", "ascending")])
+    return {"rows": num_rows, "columns": pack_columns(cells)}
 
 
 class _Abort(Exception):

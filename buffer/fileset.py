@@ -25,6 +25,7 @@ some sources skips exactly their rows (buffer.index).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
@@ -39,6 +40,8 @@ from filelock import FileLock
 from buffer.atomic import BufferError, atomic_file
 
 if TYPE_CHECKING:   # pyarrow is imported where used: `asyncgrpo --help` reaches this module
+    import numpy as np
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
 SOURCES_KEY = b"asyncgrpo.sources"
@@ -65,10 +68,44 @@ def read_sources(meta: pq.FileMetaData) -> list[tuple[str, int]] | None:
     return [(str(name), int(rows)) for name, rows in json.loads(raw)]
 
 
+SHARD_SUMMARY = ("version", "filtered", "filter_reason", "groups", "completions", "reward_sum")
+LEDGER_SUMMARY = ("group_version", "use_index", "records")
+
+
+def pack_columns(table: "pa.Table") -> str:
+    """A small table as text for a footer: an Arrow IPC stream, zstd-compressed, base64.
+
+    A merged file's summary has one row per version (100,000 versions after 100,000 steps): as JSON
+    lists it took 1.5 s to parse 250,000 of them, as this 0.03 s.
+    """
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_table(table)
+    return base64.b64encode(sink.getvalue().to_pybytes()).decode("ascii")
+
+
+def summary_columns(summary: dict, names: tuple[str, ...]) -> dict[str, "np.ndarray"]:
+    """A summary's cells as arrays of shape (C,), one per name (SHARD_SUMMARY or LEDGER_SUMMARY), from
+    either form read_summary returns."""
+    import numpy as np
+    import pyarrow as pa
+
+    if "columns" in summary:
+        t = pa.ipc.open_stream(base64.b64decode(summary["columns"])).read_all()
+        return {n: t.column(n).to_numpy(zero_copy_only=False) for n in names}
+    cells = summary["cells"]
+    return {n: np.array([c[i] for c in cells], dtype=object if n == "filter_reason" else None)
+            for i, n in enumerate(names)}
+
+
 def read_summary(meta: pq.FileMetaData) -> dict | None:
-    """The summary a footer holds (buffer.compaction), None for a file without one: {"rows": n, "cells":
-    [...]}, a rollout shard's cells [version, filtered, filter_reason, groups, completions, reward_sum]
-    (filter_reason '' when none), a merged ledger file's [group_version, use_index, records]."""
+    """The summary a footer holds, None for a file without one: {"rows": n, and "cells": [[...], ...] (a
+    writer's shard: few) or "columns": pack_columns(...) (a merged file)}, the cells being a rollout
+    shard's groups per (version, filter flag and reason), SHARD_SUMMARY (filter_reason '' when none), or
+    a merged ledger file's records per (group version, use index), LEDGER_SUMMARY; read them with
+    summary_columns."""
     raw = (meta.metadata or {}).get(SUMMARY_KEY)
     return None if raw is None else json.loads(raw)
 
@@ -188,7 +225,7 @@ class FileSet:
         return len(expired)
 
     def merge_tables(self, names: list[str], out_name: str, *, sort_by: str | None = None,
-                     summary: Callable[[object], dict] | None = None) -> int:
+                     summary: Callable[[pa.Table], dict] | None = None) -> int:
         """Write the small files `names` as one c-file `out_name` (invisible until `swap`); its rows.
 
         Every source is read whole (ledger and metrics files are small); columns

@@ -10,8 +10,9 @@ than K versions behind the trainer:
 With K >= trainer.max_staleness such a group is expired (or consumed or
 filtered) for every trainer at version >= T, so it can never be pulled again.
 Only whole files leave: a file holding any newer group stays (so the hot
-buffer keeps about compactor.target_groups groups more than K versions'
-worth). The max version of a file comes from its footer's column statistics,
+buffer keeps up to about compactor.max_groups groups, a level merge's c-file,
+more than K versions' worth; the compactor runs retention before its merges
+too, so a file already old enough is not merged with newer ones). The max version of a file comes from its footer's column statistics,
 read once per file (files never change).
 
 Two actions, under the buffer's lock:

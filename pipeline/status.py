@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 import buffer
-from buffer.fileset import read_summary
+from buffer.fileset import LEDGER_SUMMARY, SHARD_SUMMARY, read_summary, summary_columns
 from buffer.layout import BufferDir, find_buffer, ledger_is_merged
 from buffer.retention import archived_shards, newest_in_ledger, read_floor
 
@@ -86,13 +86,13 @@ class _Rows:
     unreadable: dict[str, str]
 
 
-def _summaries(shards: list[Path]) -> tuple[list[list], list[Path]] | None:
-    """Cells [version, filtered, filter_reason, groups, completions, reward_sum] from the summaries shards
-    carry in their footers (the writer's and compaction's), and the shards without one, to scan; None: a
-    footer failed to read (the careful path names it)."""
+def _summaries(shards: list[Path]) -> tuple[dict[str, np.ndarray], list[Path]] | None:
+    """The cells (SHARD_SUMMARY columns, each of shape (C,)) of the summaries shards carry in their footers
+    (the writer's and compaction's), and the shards without one, to scan; None: a footer failed to read
+    (the careful path names it)."""
     import pyarrow.parquet as pq
 
-    cells: list[list] = []
+    parts: list[dict[str, np.ndarray]] = []
     scan = []
     for p in shards:
         try:
@@ -100,21 +100,21 @@ def _summaries(shards: list[Path]) -> tuple[list[list], list[Path]] | None:
         except Exception:  # noqa: BLE001 - gone (merged meanwhile) or damaged: the careful path
             return None
         summary = read_summary(meta)
-        if summary is None or summary["rows"] != meta.num_rows or \
-                sum(c[4] for c in summary["cells"]) != meta.num_rows:
+        cols = None if summary is None else summary_columns(summary, SHARD_SUMMARY)
+        if cols is None or summary["rows"] != meta.num_rows or int(cols["completions"].sum()) != meta.num_rows:
             scan.append(p)   # an older shard, or one whose summary does not add up: read its rows
             continue
-        cells += summary["cells"]
-    return cells, scan
+        parts.append(cols)
+    return _concat(parts, _SHARD_DTYPES), scan
 
 
-def _ledger_summaries(ledger: list[Path]) -> tuple[dict[tuple[int, int], int], list[Path]] | None:
-    """Records per (group_version, use_index) from the summaries merged ledger files carry in their
-    footers (buffer.compaction.ledger_summary), and the files without one, to scan; None: a footer failed
-    to read."""
+def _ledger_summaries(ledger: list[Path]) -> tuple[dict[str, np.ndarray], list[Path]] | None:
+    """The cells (LEDGER_SUMMARY columns: records per group version and use index) of the summaries merged
+    ledger files carry in their footers (buffer.compaction.ledger_summary), and the files without one, to
+    scan; None: a footer failed to read."""
     import pyarrow.parquet as pq
 
-    counts: dict[tuple[int, int], int] = {}
+    parts: list[dict[str, np.ndarray]] = []
     plain = []
     for p in ledger:
         if not ledger_is_merged(p.name):
@@ -125,13 +125,20 @@ def _ledger_summaries(ledger: list[Path]) -> tuple[dict[tuple[int, int], int], l
         except Exception:  # noqa: BLE001 - gone (merged meanwhile) or damaged: the careful path
             return None
         summary = read_summary(meta)
-        if summary is None or summary["rows"] != meta.num_rows or \
-                sum(c[2] for c in summary["cells"]) != meta.num_rows:
+        cols = None if summary is None else summary_columns(summary, LEDGER_SUMMARY)
+        if cols is None or summary["rows"] != meta.num_rows or int(cols["records"].sum()) != meta.num_rows:
             plain.append(p)   # a resume's cut, or an older merged file: read its records
             continue
-        for v, u, n in summary["cells"]:
-            counts[(v, u)] = counts.get((v, u), 0) + n
-    return counts, plain
+        parts.append(cols)
+    return _concat(parts, _LEDGER_DTYPES), plain
+
+
+_SHARD_DTYPES = dict(zip(SHARD_SUMMARY, (np.int64, np.bool_, object, np.int64, np.int64, np.float64)))
+_LEDGER_DTYPES = dict(zip(LEDGER_SUMMARY, (np.int64, np.int64, np.int64)))
+
+
+def _concat(parts: list[dict[str, np.ndarray]], dtypes: dict) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([np.zeros(0, t)] + [p[k].astype(t) for p in parts]) for k, t in dtypes.items()}
 
 
 def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
@@ -145,50 +152,47 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
     found = _summaries(shards)
     if found is None:
         return None
-    summed, scan = found
+    cells, scan = found
     con = buffer.offline_connection()
     try:
-        cells = {"version": np.zeros(0, np.int64), "filtered": np.zeros(0, np.bool_),
-                 "filter_reason": np.zeros(0, object), "groups": np.zeros(0, np.int64),
-                 "completions": np.zeros(0, np.int64), "reward_sum": np.zeros(0, np.float64)}
         if scan:
             read = con.execute(_CELLS_SQL, {"shards": [str(p) for p in scan]}).fetchnumpy()
             _, file_at = np.unique(read["filename"], return_inverse=True)
             if not np.array_equal(np.bincount(file_at, weights=read["num_rows"]),
                                   np.bincount(file_at, weights=read["completions"])):
                 return None   # a file's rows do not add up to its groups: the index names the bad one
-            cells = {k: np.asarray(read[k]) for k in cells}
-        used: dict[int, int] = {}
+            cells = {k: np.concatenate([cells[k], np.asarray(read[k]).astype(t)]) for k, t in _SHARD_DTYPES.items()}
+        used_v, used_n = np.zeros(0, np.int64), np.zeros(0, np.int64)   # records that used a group up, per version
         if ledger:
-            files = [str(p) for p in ledger]
             low = -(2 ** 62) if floor is None else floor
             found = _ledger_summaries(ledger)
             if found is None:
                 return None
-            used, plain = found
-            used = {v: n for (v, u), n in used.items() if u == reuse - 1 and v >= low}
-            if plain:
-                for v, n in con.execute(_CONSUMED_SQL, {"ledger": [str(p) for p in plain], "last": reuse - 1,
-                                                        "floor": low}).fetchall():
-                    used[int(v)] = used.get(int(v), 0) + int(n)
-            if floor is not None and shards:
-                for v, n in con.execute(_CONSUMED_BELOW_SQL, {"shards": [str(p) for p in shards], "ledger": files,
-                                                              "last": reuse - 1, "floor": floor}).fetchall():
-                    used[int(v)] = int(n)
+            lc, plain = found
+            last = (lc["use_index"] == reuse - 1) & (lc["group_version"] >= low)
+            used_v, used_n = lc["group_version"][last], lc["records"][last]
+            queries = [(_CONSUMED_SQL, {"ledger": [str(p) for p in plain], "last": reuse - 1, "floor": low})] \
+                if plain else []
+            if floor is not None and shards:   # versions below the bound: by id (none of them counted above)
+                queries.append((_CONSUMED_BELOW_SQL, {"shards": [str(p) for p in shards],
+                                                      "ledger": [str(p) for p in ledger],
+                                                      "last": reuse - 1, "floor": floor}))
+            for sql, params in queries:
+                got = con.execute(sql, params).fetchnumpy()
+                used_v = np.concatenate([used_v, np.asarray(got[list(got)[0]], np.int64)])
+                used_n = np.concatenate([used_n, np.asarray(got["n"], np.int64)])
     except duckdb.Error:
         return None
     finally:
         con.close()
-    if summed:
-        cols = list(zip(*summed))
-        for k, col, dtype in zip(cells, cols, (np.int64, np.bool_, object, np.int64, np.int64, np.float64)):
-            cells[k] = np.concatenate([cells[k], np.array(col, dtype=dtype)])
+    used_v, at = np.unique(used_v, return_inverse=True)
+    used_n = np.bincount(at, weights=used_n, minlength=len(used_v)).astype(np.int64)
     keep = cells["groups"] > 0
     version = cells["version"][keep].astype(np.int64)
     reason = buffer.reason_codes(list(cells["filter_reason"][keep]), cells["filtered"][keep])
     weight, completions = cells["groups"][keep].astype(np.int64), cells["completions"][keep].astype(np.int64)
     reward_sum = cells["reward_sum"][keep].astype(np.float64)
-    consumed = _split_consumed(version, np.where(reason == 0, weight, 0), used)
+    consumed = _split_consumed(version, np.where(reason == 0, weight, 0), used_v, used_n)
     zero = np.zeros(len(version), np.int64)
     rows = _Rows(np.concatenate([version, version]), np.concatenate([reason, reason]),
                  np.concatenate([zero, zero + reuse]), np.ones(2 * len(version), np.bool_),
@@ -197,18 +201,17 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
     return rows
 
 
-def _split_consumed(version: np.ndarray, learnable: np.ndarray, used: dict[int, int]) -> np.ndarray:
-    """Consumed groups per cell, shape (C,): each version's `used[v]` spread over its cells' learnable groups
-    (`learnable`, shape (C,)) in order, none over a cell's count (all groups of a version share a state)."""
-    if not used or not len(version):
+def _split_consumed(version: np.ndarray, learnable: np.ndarray, uv: np.ndarray, un: np.ndarray) -> np.ndarray:
+    """Consumed groups per cell, shape (C,): each version uv[i]'s un[i] consumed groups (uv unique and
+    ascending, shape (U,)) spread over its cells' learnable groups (`learnable`, shape (C,)) in order, none
+    over a cell's count (all groups of a version share a state)."""
+    if not len(uv) or not len(version):
         return np.zeros(len(version), np.int64)
     order = np.argsort(version, kind="stable")
     v, w = version[order], learnable[order]
     cum = np.cumsum(w)
     start = np.searchsorted(v, v, side="left")                 # first cell of each cell's version
     before = cum - w - np.where(start > 0, cum[start - 1], 0)  # learnable groups of earlier cells, same version
-    uv = np.array(sorted(used), np.int64)
-    un = np.array([used[k] for k in uv.tolist()], np.int64)
     at = np.clip(np.searchsorted(uv, v), 0, len(uv) - 1)
     n = np.where(uv[at] == v, un[at], 0)
     out = np.zeros(len(version), np.int64)

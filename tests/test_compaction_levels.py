@@ -14,7 +14,7 @@ import json
 
 import pyarrow.parquet as pq
 from buffer import BufferDir, BufferSQL, GroupIndex, Sampler, compact, compact_ledger
-from buffer.fileset import SUMMARY_KEY, read_summary
+from buffer.fileset import LEDGER_SUMMARY, SHARD_SUMMARY, SUMMARY_KEY, pack_columns, read_summary, summary_columns
 from pipeline.status import buffer_status
 from test_compaction_sets import NOW, _consumed, _fill, _pull_steps
 
@@ -68,7 +68,9 @@ def test_level_merged_files_have_large_row_groups_and_a_base_merge_keeps_small_o
     assert [(m.num_rows, m.num_row_groups) for m in merged] == [(320, 1), (320, 1)]
     summary = [read_summary(m) for m in merged]
     assert [s["rows"] for s in summary] == [320, 320]
-    assert sum(c[3] for s in summary for c in s["cells"]) == 160     # groups per (version, reason) add up
+    cells = [summary_columns(s, SHARD_SUMMARY) for s in summary]
+    assert sum(int(c["groups"].sum()) for c in cells) == 160         # groups per (version, reason) add up
+    assert [int(c["completions"].sum()) for c in cells] == [320, 320]
 
 
 def test_no_level_merges_without_fanout(buf):
@@ -89,7 +91,10 @@ def test_merged_ledger_footer_counts_records_per_version_and_use_and_status_read
     summary = json.loads(meta.metadata[SUMMARY_KEY])
     rows = BufferSQL(buf).query("SELECT group_version AS v, use_index AS u, count(*) AS n FROM consumed "
                                 "GROUP BY 1, 2 ORDER BY 1, 2").to_pylist()
-    assert summary == {"rows": 300, "cells": [[r["v"], r["u"], r["n"]] for r in rows]}
+    cells = summary_columns(summary, LEDGER_SUMMARY)
+    assert summary["rows"] == 300
+    assert [list(c) for c in zip(*(cells[k].tolist() for k in LEDGER_SUMMARY))] == [[r["v"], r["u"], r["n"]]
+                                                                                   for r in rows]
     for reuse in (1, 2):
         fast = buffer_status(buf, trainer_version=3, reuse=reuse, max_ranges=None)
         careful = GroupIndex(buf).counts(3, None, reuse)
@@ -111,15 +116,16 @@ def test_status_scans_a_resume_cut_ledger_file_which_has_no_summary(buf):
 
 def test_a_summary_that_does_not_add_up_is_not_trusted(buf):
     """A merged ledger file whose footer summary disagrees with its rows is scanned instead."""
-    from buffer.compaction import compact_small, ledger_summary
+    from buffer.compaction import compact_small
 
     _fill(buf, 100)
     _pull_steps(buf, 10)
 
-    def wrong(t):
-        s = ledger_summary(t)
-        s["cells"][0][2] += 7
-        return s
+    def wrong(t):   # one record too many in the first cell
+        import pyarrow as pa
+
+        agg = pa.table({"group_version": [0], "use_index": [0], "records": [t.num_rows + 1]})
+        return {"rows": t.num_rows, "columns": pack_columns(agg)}
 
     compact_small(BufferDir(buf).ledger_set, target_rows=1000, summary=wrong, **NOW)
     assert buffer_status(buf)["consumed"] == 50
