@@ -48,6 +48,15 @@ class StorageError(BufferError, OSError):
                 f"{todo}; files written before are intact")
 
 
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so the names renamed into it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[BinaryIO]:
     """A binary file that appears at `final` only when the block succeeds.

@@ -90,47 +90,54 @@ def _summaries(shards: list[Path]) -> tuple[dict[str, np.ndarray], list[Path]] |
     """The cells (SHARD_SUMMARY columns, each of shape (C,)) of the summaries shards carry in their footers
     (the writer's and compaction's), and the shards without one, to scan; None: a footer failed to read
     (the careful path names it)."""
-    import pyarrow.parquet as pq
-
-    parts: list[dict[str, np.ndarray]] = []
-    scan = []
-    for p in shards:
-        try:
-            meta = pq.read_metadata(p)
-        except Exception:  # noqa: BLE001 - gone (merged meanwhile) or damaged: the careful path
-            return None
-        summary = read_summary(meta)
-        cols = None if summary is None else summary_columns(summary, SHARD_SUMMARY)
-        if cols is None or summary["rows"] != meta.num_rows or int(cols["completions"].sum()) != meta.num_rows:
-            scan.append(p)   # an older shard, or one whose summary does not add up: read its rows
-            continue
-        parts.append(cols)
+    parts, scan = [], []
+    try:
+        for p in shards:
+            cols = _footer_cells(p, SHARD_SUMMARY, "completions")
+            if cols is None:
+                scan.append(p)   # an older shard, or one whose summary does not add up: read its rows
+            else:
+                parts.append(cols)
+    except _Unreadable:
+        return None
     return _concat(parts, _SHARD_DTYPES), scan
 
 
 def _ledger_summaries(ledger: list[Path]) -> tuple[dict[str, np.ndarray], list[Path]] | None:
     """The cells (LEDGER_SUMMARY columns: records per group version and use index) of the summaries merged
     ledger files carry in their footers (buffer.compaction.ledger_summary), and the files without one, to
-    scan; None: a footer failed to read."""
+    scan: each pull's own small file, a resume's cut, an older merged file; None: a footer failed to read."""
+    parts, plain = [], []
+    try:
+        for p in ledger:
+            cols = _footer_cells(p, LEDGER_SUMMARY, "records") if ledger_is_merged(p.name) else None
+            if cols is None:
+                plain.append(p)
+            else:
+                parts.append(cols)
+    except _Unreadable:
+        return None
+    return _concat(parts, _LEDGER_DTYPES), plain
+
+
+class _Unreadable(Exception):
+    """A footer could not be read: the file is gone (merged meanwhile) or damaged."""
+
+
+def _footer_cells(p: Path, names: tuple[str, ...], count: str) -> dict[str, np.ndarray] | None:
+    """The columns of p's footer summary when its `count` column adds up to the file's rows, else None (the
+    caller reads the rows); _Unreadable when the footer cannot be read."""
     import pyarrow.parquet as pq
 
-    parts: list[dict[str, np.ndarray]] = []
-    plain = []
-    for p in ledger:
-        if not ledger_is_merged(p.name):
-            plain.append(p)   # one pull's records: no summary, a small file
-            continue
-        try:
-            meta = pq.read_metadata(p)
-        except Exception:  # noqa: BLE001 - gone (merged meanwhile) or damaged: the careful path
-            return None
-        summary = read_summary(meta)
-        cols = None if summary is None else summary_columns(summary, LEDGER_SUMMARY)
-        if cols is None or summary["rows"] != meta.num_rows or int(cols["records"].sum()) != meta.num_rows:
-            plain.append(p)   # a resume's cut, or an older merged file: read its records
-            continue
-        parts.append(cols)
-    return _concat(parts, _LEDGER_DTYPES), plain
+    try:
+        meta = pq.read_metadata(p)
+    except Exception as e:  # noqa: BLE001 - gone or damaged: the careful path
+        raise _Unreadable(str(p)) from e
+    summary = read_summary(meta)
+    cols = None if summary is None else summary_columns(summary, names)
+    if cols is None or summary["rows"] != meta.num_rows or int(cols[count].sum()) != meta.num_rows:
+        return None
+    return cols
 
 
 _SHARD_DTYPES = dict(zip(SHARD_SUMMARY, (np.int64, np.bool_, object, np.int64, np.int64, np.float64)))

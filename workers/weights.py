@@ -28,6 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
+from buffer.atomic import fsync_dir
 from buffer.layout import StorageError, atomic_file
 
 LATEST = "LATEST"
@@ -50,14 +51,6 @@ def _os_error(e: BaseException) -> OSError | None:
         code = int(m.group(1))
         return OSError(code, os.strerror(code))
     return None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class WeightStore:
@@ -125,7 +118,7 @@ class WeightStore:
                 if p.is_file():
                     with open(p, "rb") as f:
                         os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.replace(tmp, final)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -133,7 +126,7 @@ class WeightStore:
             if cause is not None:   # disk full, read-only: LATEST still names the last complete version
                 raise StorageError(final, cause) from e
             raise
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self.set_latest(version)
         return final
 

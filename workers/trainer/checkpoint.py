@@ -1,10 +1,16 @@
-"""Trainer checkpoints: everything needed to continue exactly, in one file per step.
+"""Trainer checkpoints: everything needed to continue exactly, one file (or folder) per step.
 
 `<run>/checkpoints/step-000000012.pt` holds the model and optimizer state, the
 step and version, the KL controller, the RNG states and a copy of the config.
 The learning-rate schedule is a pure function of the step (`control.lr_factor`),
 so the step is its whole state. Written to checkpoints/tmp/ and renamed, so a
 kill -9 leaves either the previous checkpoint or the new one, never half of one.
+
+Under trainer.strategy = "fsdp" a checkpoint is a folder, `step-000000012.dcp/`:
+the model and optimizer written by torch.distributed.checkpoint (each rank its
+shards, rank 0 the `.metadata`), and `state.pt` (the rest, as above) by rank 0.
+It is written in checkpoints/tmp/ and renamed whole. It loads on any number of
+ranks and with either strategy (DCP reshards), including one process.
 """
 
 from __future__ import annotations
@@ -12,24 +18,28 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from buffer.atomic import fsync_dir
 from buffer.layout import atomic_file
 
 FORMAT = 1
-_NAME = re.compile(r"^step-(\d+)\.pt$")
+_NAME = re.compile(r"^step-(\d+)\.(pt|dcp)$")
+STATE_FILE = "state.pt"   # in a .dcp folder: everything but the model and optimizer
 
 
-def checkpoint_path(root: Path, step: int) -> Path:
-    return root / f"step-{step:09d}.pt"
+def checkpoint_path(root: Path, step: int, sharded: bool = False) -> Path:
+    return root / f"step-{step:09d}.{'dcp' if sharded else 'pt'}"
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint, ascending."""
+    """(step, path) of every checkpoint (a step-N.pt file or a step-N.dcp folder), ascending."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -64,32 +74,93 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, version: int, model, 
     tmp_dir = root / "tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     state = {
-        "format": FORMAT, "step": step, "version": version,
+        "format": FORMAT, "step": step,
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict(), "kl": kl_state, "rng": rng_state(),
-        "config": _plain(asdict(config)), "extra": extra or {},
+        "optimizer": optimizer.state_dict(), **_small_state(version, kl_state, config, extra),
     }
     final = checkpoint_path(root, step)
     with atomic_file(tmp_dir, final) as f:
         torch.save(state, f)
-    for _, p in list_checkpoints(root)[:-keep]:
-        p.unlink(missing_ok=True)
+    prune(root, keep)
+    return final
+
+
+def save_sharded_checkpoint(root: str | os.PathLike, *, step: int, version: int, model, optimizer, kl_state: dict,
+                            config, dist, extra: dict | None = None, keep: int = 2) -> Path:
+    """Every rank: write the step-N.dcp folder of `step` (DCP shards + rank 0's state.pt), then prune.
+
+    Rank 0 names the temp folder; after every rank's shards are written (dcp.save ends with
+    a collective), rank 0 adds state.pt, fsyncs and renames the folder into place.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(root)
+    final = checkpoint_path(root, step, sharded=True)
+    tmp = None
+    if dist.is_main:
+        (root / "tmp").mkdir(parents=True, exist_ok=True)
+        tmp = root / "tmp" / f"{os.getpid()}%{uuid.uuid4().hex[:8]}%{final.name}"
+    tmp = Path(dist.broadcast(str(tmp) if tmp is not None else None))
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp, no_dist=not dist.enabled)
+    if dist.is_main:
+        state = {"format": FORMAT, "step": step, **_small_state(version, kl_state, config, extra)}
+        with open(tmp / STATE_FILE, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        prune(root, keep)
+    dist.barrier()
     return final
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    """The state saved by `save_checkpoint` (tensors on the CPU)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    """The state saved by `save_checkpoint` (tensors on the CPU).
+
+    A .dcp folder gives its state.pt, with "sharded": the folder, and no "model" or
+    "optimizer": `load_sharded` puts those into a model and optimizer built for them.
+    """
+    path = Path(path)
+    if path.is_dir():
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        _check_shards(path)
+        state["sharded"] = path
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("format") != FORMAT:
         raise ValueError(f"checkpoint {path} has format {state.get('format')!r}, expected {FORMAT}")
     return state
+
+
+def load_sharded(path: str | os.PathLike, model, optimizer, dist) -> None:
+    """Every rank: the model and optimizer state of a .dcp folder, resharded to this job's ranks.
+
+    Works for an FSDP model and for a plain one (each rank then reads the full tensors).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=Path(path), no_dist=not dist.enabled)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def prune(root: str | os.PathLike, keep: int) -> None:
+    """Delete all but the `keep` newest checkpoints."""
+    for _, p in list_checkpoints(root)[:-keep]:
+        _remove(p)
 
 
 def remove_after(root: str | os.PathLike, step: int) -> list[Path]:
     """Delete checkpoints of steps after `step` (none exist unless a resume chose an older one)."""
     gone = [p for s, p in list_checkpoints(root) if s > step]
     for p in gone:
-        p.unlink()
+        _remove(p)
     return gone
 
 
@@ -97,7 +168,50 @@ def clean_tmp(root: str | os.PathLike) -> None:
     tmp = Path(root) / "tmp"
     if tmp.is_dir():
         for p in tmp.iterdir():
-            p.unlink(missing_ok=True)
+            _remove(p)
+
+
+def _check_shards(path: Path) -> None:
+    """A .dcp folder's metadata reads and every byte range it names is on disk (else ValueError), so a
+    damaged folder is set aside at resume like a damaged file, not found half-way through loading it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - missing or unreadable .metadata
+        raise ValueError(f"checkpoint {path}: unreadable .metadata (torch.distributed.checkpoint): {e}") from e
+    need: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in need.items():
+        try:
+            have = (path / name).stat().st_size
+        except FileNotFoundError:
+            raise ValueError(f"checkpoint {path}: shard file {name} is missing") from None
+        if have < size:
+            raise ValueError(f"checkpoint {path}: shard file {name} has {have} bytes, needs {size}")
+
+
+def _remove(p: Path) -> None:
+    """Delete a checkpoint file or folder; a folder is first renamed into tmp/ (one step), so a kill -9
+    while deleting never leaves a half-deleted checkpoint under its name (clean_tmp removes the rest)."""
+    if p.is_dir():
+        if p.parent.name != "tmp":
+            gone = p.parent / "tmp" / f"deleting-{uuid.uuid4().hex[:8]}-{p.name}"
+            gone.parent.mkdir(exist_ok=True)
+            try:
+                os.replace(p, gone)
+            except FileNotFoundError:
+                return
+            p = gone
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _small_state(version: int, kl_state: dict, config, extra: dict | None) -> dict:
+    return {"version": version, "kl": kl_state, "rng": rng_state(), "config": _plain(asdict(config)),
+            "extra": extra or {}}
 
 
 def _plain(obj):

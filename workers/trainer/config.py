@@ -13,6 +13,8 @@ Dtype = Literal["float32", "bfloat16"]
 LrSchedule = Literal["constant", "cosine", "linear"]
 KLControl = Literal["fixed", "adaptive"]
 Order = Literal["oldest", "newest", "uniform"]
+Strategy = Literal["ddp", "fsdp"]
+STRATEGIES = ("ddp", "fsdp")
 
 
 def _default_loss() -> PolicyLossConfig:
@@ -95,6 +97,13 @@ class TrainerConfig:
     """"bfloat16": forward and backward under autocast; weights and optimizer state stay float32."""
     device: str = "cpu"
     """Torch device: "cpu" or "cuda" (under torchrun each rank takes cuda:LOCAL_RANK)."""
+    strategy: Strategy = "ddp"
+    """How ranks under torchrun share the model. "ddp": every rank holds all of it (parameters,
+    gradients, AdamW state); gradients summed by one all-reduce. "fsdp": torch's FSDP2 (fully_shard
+    per decoder layer plus the root) shards all three over the ranks, for models one device cannot
+    train; with dtype "bfloat16" parameters are gathered in bfloat16 and gradients reduced in float32.
+    Checkpoints are then torch.distributed.checkpoint folders (step-N.dcp/), which resume on any
+    number of ranks. One process: both train the same way."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     num_threads: int | None = None
@@ -146,6 +155,7 @@ class TrainerConfig:
         require(self, "metrics_flush_seconds", is_num(self.metrics_flush_seconds, 0), "a number >= 0")
         require(self, "seed", is_int(self.seed, 0), "an integer >= 0")
         require(self, "dtype", self.dtype in ("float32", "bfloat16"), "'float32' or 'bfloat16'")
+        require(self, "strategy", self.strategy in STRATEGIES, "'ddp' or 'fsdp'")
         require(self, "device", isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
                 "'cpu' or 'cuda' (optionally 'cuda:N')")
         for name in ("gradient_checkpointing", "publish_background"):

@@ -8,6 +8,7 @@ per dtype: what DDP's bucketed all-reduce does, without DDP's divide-by-world
 and without its requirement that every rank run the same number of backward
 passes (ranks may get different numbers of micro-batches). Every rank then
 takes the same AdamW step on the same gradient, so parameters stay identical.
+Under trainer.strategy = "fsdp" (fsdp.py) FSDP2 does the reduction instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     owns_group: bool = False   # we initialised the process group, so we tear it down
+    strategy: str = "ddp"      # TrainerConfig.strategy
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 is on: the model's parameters are DTensor shards, and gathers are collectives."""
+        return self.strategy == "fsdp" and self.enabled
 
     @property
     def is_main(self) -> bool:
@@ -85,17 +92,22 @@ class Dist:
             self.owns_group = False
 
 
-def init_dist(device: str) -> Dist:
+def init_dist(device: str, strategy: str = "ddp") -> Dist:
     """Join the torchrun job described by the environment (WORLD_SIZE > 1), else a single process.
 
-    Backend: gloo on CPU, nccl on CUDA.
+    Backend: gloo on CPU; on CUDA, NCCL for CUDA tensors and gloo for CPU ones.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return Dist()
+        return Dist(strategy=strategy)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     owns = False
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(local_rank)   # NCCL's object collectives use the current device
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        # NCCL for CUDA tensors, gloo for the CPU ones (metrics sums, pickled broadcasts)
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
         owns = True
-    return Dist(rank=rank, world=world, local_rank=local_rank, owns_group=owns)
+    return Dist(rank=rank, world=world, local_rank=local_rank, owns_group=owns, strategy=strategy)

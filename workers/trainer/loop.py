@@ -8,6 +8,7 @@
         train_step (step.py): advantages per group, inner epochs, optimizer update
         step += 1, version += 1; beta moved by the KL controller
         rank 0: publish every publish_every steps, one metrics row, checkpoint every checkpoint_every
+          (under strategy fsdp every rank joins the weight gather and writes its checkpoint shards)
     close (clean exit): publish and checkpoint the last step, flush metrics
 
 A kill -9 loses at most the steps since the last checkpoint: on resume the
@@ -29,10 +30,11 @@ import numpy as np
 from workers.proc import rss_mb
 from workers.stop import StopFlag
 from workers.trainer.batch import step_batch, table_from_bytes, table_to_bytes
-from workers.trainer.checkpoint import save_checkpoint
+from workers.trainer.checkpoint import save_checkpoint, save_sharded_checkpoint
 from workers.trainer.config import TrainerConfig
 from workers.trainer.control import lr_factor
 from workers.trainer.distributed import init_dist
+from workers.trainer.fsdp import full_state_dict
 from workers.trainer.session import Session, TrainerError, open_session
 from workers.trainer.step import train_step
 
@@ -50,7 +52,7 @@ def run_trainer(run_dir: str | os.PathLike, cfg: TrainerConfig, *, model_folder:
     the buffer as it is (no staleness limit, reuse passes) and stop when nothing is left.
     Under torchrun every rank calls this; rank 0 alone pulls, publishes and writes.
     """
-    dist = init_dist(cfg.device)
+    dist = init_dist(cfg.device, cfg.strategy)
     stop = StopFlag()
     stop.install()
     s = None
@@ -92,14 +94,13 @@ def _loop(s: Session) -> str:
         s.step += 1
         s.version += 1
         s.kl.update(metrics.get("kl/ref"), batch.size)
-        if not s.dist.is_main:
-            continue
         published = s.step % cfg.publish_every == 0
         publish_s = _publish(s) if published else 0.0
-        row = _row(s, pulled, batch, metrics, times, wait_s=wait_s, pull_s=pull_s, train_s=train_s,
-                   publish_s=publish_s, step_s=time.time() - started, lr=lr, beta=beta, published=published)
-        s.metrics.add(row)
-        _log_step(row)
+        if s.dist.is_main:
+            row = _row(s, pulled, batch, metrics, times, wait_s=wait_s, pull_s=pull_s, train_s=train_s,
+                       publish_s=publish_s, step_s=time.time() - started, lr=lr, beta=beta, published=published)
+            s.metrics.add(row)
+            _log_step(row)
         if s.step % cfg.checkpoint_every == 0:
             _checkpoint(s)
         # A signal during the step is seen by the next _wait_and_pull, which tells every rank.
@@ -159,28 +160,47 @@ def _wait_and_pull(s: Session):
 
 
 def _publish(s: Session, wait: bool = False) -> float:
-    """Publish the current version (in the background unless `wait`); returns seconds the loop spent."""
-    return s.publisher.publish(s.model, s.version, info={"step": s.step}, wait=wait)
+    """Every rank: publish the current version (in the background unless `wait`); returns seconds spent.
+
+    Rank 0 writes; under FSDP every rank first takes part in gathering the full weights.
+    """
+    t0 = time.perf_counter()
+    if s.dist.sharded and s.dist.is_main:
+        s.publisher.wait()   # the last version's gathered copy is let go of first: one full copy on rank 0
+    state = full_state_dict(s.model) if s.dist.sharded else None
+    if not s.dist.is_main:
+        return 0.0
+    gather_s = time.perf_counter() - t0
+    return gather_s + s.publisher.publish(state if state is not None else s.model.state_dict(), s.version,
+                                          info={"step": s.step}, wait=wait)
 
 
 def _checkpoint(s: Session) -> None:
-    s.metrics.flush()  # rows up to this step are on disk before the checkpoint that keeps them
+    """Every rank: a checkpoint of this step (rank 0 alone writes it, except under strategy fsdp)."""
+    if s.dist.is_main:
+        s.metrics.flush()  # rows up to this step are on disk before the checkpoint that keeps them
     t0 = time.time()
-    path = save_checkpoint(s.ckpt_dir, step=s.step, version=s.version, model=s.model, optimizer=s.optimizer,
-                           kl_state=s.kl.state_dict(), config=s.cfg, keep=s.cfg.keep_checkpoints,
-                           extra={"offline_offset": s.offline_offset, "world_size": s.dist.world})
+    kwargs = dict(step=s.step, version=s.version, model=s.model, optimizer=s.optimizer, kl_state=s.kl.state_dict(),
+                  config=s.cfg, keep=s.cfg.keep_checkpoints,
+                  extra={"offline_offset": s.offline_offset, "world_size": s.dist.world})
+    if s.cfg.strategy == "fsdp":
+        path = save_sharded_checkpoint(s.ckpt_dir, dist=s.dist, **kwargs)
+    elif s.dist.is_main:
+        path = save_checkpoint(s.ckpt_dir, **kwargs)
     s.last_checkpoint = s.step
-    log.info("checkpoint %s (%.2f s)", path.name, time.time() - t0)
+    if s.dist.is_main:
+        log.info("checkpoint %s (%.2f s)", path.name, time.time() - t0)
 
 
 def _close(s: Session, reason: str) -> None:
     """Clean exit: the last step's weights and checkpoint on disk, metrics flushed."""
     if s.dist.is_main:
         s.publisher.wait()
-        if not s.weights.folder(s.version).exists():
-            _publish(s, wait=True)
-        if s.step > 0 and s.last_checkpoint != s.step:
-            _checkpoint(s)
+    if s.dist.broadcast(s.dist.is_main and not s.weights.folder(s.version).exists()):
+        _publish(s, wait=True)
+    if s.step > 0 and s.last_checkpoint != s.step:
+        _checkpoint(s)
+    if s.dist.is_main:
         s.metrics.flush()
         log.info("trainer stopped (%s) at step %d, version %d", reason, s.step, s.version)
     s.dist.barrier()

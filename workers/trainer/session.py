@@ -11,12 +11,19 @@ files rolled back to its step k:
     checkpoints none after k exist (k is the newest)
 
 so the steps after k are taken again, on the groups they would have taken.
+
+Under trainer.strategy = "fsdp" (more than one rank) the policy and the reference
+are sharded right after loading (fsdp.py) and the optimizer is built over the
+shards. Either checkpoint kind loads under either strategy: a .dcp folder is
+resharded by torch.distributed.checkpoint to however many ranks this job has; a
+.pt file is loaded before sharding, its AdamW state moved over by parameter name.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +31,12 @@ import numpy as np
 import torch
 
 from workers.stop import StopFlag
-from workers.trainer.checkpoint import clean_tmp, list_checkpoints, load_checkpoint, remove_after, set_rng_state
+from workers.trainer.checkpoint import (clean_tmp, list_checkpoints, load_checkpoint, load_sharded, remove_after,
+                                        set_rng_state)
 from workers.trainer.config import TrainerConfig
 from workers.trainer.control import KLController
 from workers.trainer.distributed import Dist
+from workers.trainer.fsdp import full_state_dict, shard_model
 from workers.trainer.metrics import MetricsWriter
 
 log = logging.getLogger("asyncgrpo.trainer")
@@ -110,12 +119,27 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
     if checkpoints and not resume:
         raise TrainerError(f"run {str(run)!r} has checkpoints (newest: step {checkpoints[-1][0]}); pass "
                            "--resume to continue it, or start a new run directory")
-    state = _newest_readable_checkpoint(run / "checkpoints", checkpoints) if resume and checkpoints else None
+    state = None
+    if resume and checkpoints:
+        # Rank 0 alone chooses (and sets damaged ones aside), so every rank loads the same checkpoint.
+        chosen: str | dict = {}
+        if dist.is_main:
+            try:
+                state = _newest_readable_checkpoint(run / "checkpoints", checkpoints)
+                chosen = str(state["path"])
+            except TrainerError as e:
+                chosen = {"error": str(e)}
+        chosen = dist.broadcast(chosen)
+        if isinstance(chosen, dict):
+            raise TrainerError(chosen["error"])
+        if state is None:
+            state = load_checkpoint(chosen)
     if resume and state is None:
         log.info("no checkpoint in %s: starting from %s", run / "checkpoints", model_folder)
 
     model = load_model(model_folder, dtype="float32", device=str(device))
-    if state is not None:
+    single_file = state is not None and "sharded" not in state
+    if single_file:
         model.load_state_dict(state["model"])
     _prepare(model, cfg)
     ref_model = None
@@ -124,11 +148,15 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
         ref_model.requires_grad_(False)
     tokenizer = load_tokenizer(model_folder)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                  weight_decay=cfg.weight_decay)
+    optimizer = _adamw(model, cfg)
+    if single_file:
+        optimizer.load_state_dict(state["optimizer"])
+    if dist.sharded:
+        optimizer = _shard(model, ref_model, optimizer, cfg, dist, device)
+    if state is not None and not single_file:
+        load_sharded(state["sharded"], model, optimizer, dist)
     kl = KLController.from_config(cfg)
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
         kl.load_state_dict(state["kl"])
         set_rng_state(state["rng"])
     else:
@@ -139,9 +167,12 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
     s = Session(run=run, cfg=cfg, dist=dist, device=device, model=model, ref_model=ref_model, tokenizer=tokenizer,
                 optimizer=optimizer, kl=kl, step=step, version=version, offline=offline, offline_offset=0,
                 stop=stop, pad_id=pad_id, last_checkpoint=step)
+    # Under FSDP gathering the weights is a collective, so every rank takes part even though
+    # rank 0 publishes them only when the resumed version's folder is missing.
+    initial = full_state_dict(model) if dist.sharded else None
     if dist.is_main:
         try:
-            _open_files(s, model_folder, state)
+            _open_files(s, model_folder, state, initial)
         except BaseException:
             if s.sampler is not None:
                 s.sampler.close()
@@ -149,6 +180,31 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
     s.offline_offset = dist.broadcast(s.offline_offset)
     dist.barrier()
     return s
+
+
+def _adamw(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                             weight_decay=cfg.weight_decay)
+
+
+def _shard(model, ref_model, optimizer, cfg: TrainerConfig, dist: Dist, device: torch.device):
+    """FSDP2 over the policy (and the frozen reference); returns the optimizer over the sharded parameters.
+
+    A single-file checkpoint's optimizer state (loaded into `optimizer` already) moves to the
+    new optimizer by parameter name, so a DDP run can resume under FSDP.
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    moments = get_optimizer_state_dict(model, optimizer, options=full) if optimizer.state else None
+    shard_model(model, world=dist.world, device=device, dtype=cfg.dtype)
+    if ref_model is not None:
+        shard_model(ref_model, world=dist.world, device=device, dtype=cfg.dtype)
+    sharded = _adamw(model, cfg)
+    if moments is not None:
+        set_optimizer_state_dict(model, sharded, moments, options=full)
+    return sharded
 
 
 def _newest_readable_checkpoint(ckpt_dir: Path, checkpoints: list[tuple[int, Path]]) -> dict:
@@ -167,10 +223,14 @@ def _newest_readable_checkpoint(ckpt_dir: Path, checkpoints: list[tuple[int, Pat
         except Exception as e:  # noqa: BLE001 - any unpickling or format error means unusable
             failures.append((path, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]))
             continue
+        state["path"] = path
         damaged = ckpt_dir / "damaged"
         for bad, reason in failures:
             damaged.mkdir(exist_ok=True)
-            os.replace(bad, damaged / bad.name)
+            target = damaged / bad.name
+            if target.exists():   # set aside before (a folder cannot be replaced): keep both
+                target = damaged / f"{bad.name}.{time.time_ns()}"
+            os.replace(bad, target)
             (damaged / f"{bad.name}.reason.json").write_text(json.dumps({"file": bad.name, "reason": reason}))
             log.warning("checkpoint %s is unreadable (%s); moved to %s, resuming from step %d",
                         bad.name, reason, damaged, step)
@@ -179,8 +239,11 @@ def _newest_readable_checkpoint(ckpt_dir: Path, checkpoints: list[tuple[int, Pat
                        + ". Restore one from a backup, or start a new run directory")
 
 
-def _open_files(s: Session, model_folder: Path, state: dict | None) -> None:
-    """Rank 0: the buffer's sampler, the weights, metrics and checkpoints, rolled back to s.step."""
+def _open_files(s: Session, model_folder: Path, state: dict | None, initial: dict | None) -> None:
+    """Rank 0: the buffer's sampler, the weights, metrics and checkpoints, rolled back to s.step.
+
+    initial: the model's full state dict under FSDP (gathered by every rank), else None.
+    """
     from buffer import BufferDir, Sampler
     from workers.trainer.publisher import Publisher
     from workers.weights import WeightStore
@@ -202,12 +265,13 @@ def _open_files(s: Session, model_folder: Path, state: dict | None) -> None:
     if undone:
         log.info("moved weights of undone versions %s to %s", undone, s.weights.abandoned)
     s.publisher = Publisher(s.weights, model_folder, s.tokenizer, keep=s.cfg.keep_weights,
-                            background=s.cfg.publish_background)
+                            background=s.cfg.publish_background, gathered=s.dist.sharded)
     if s.weights.folder(s.version).exists() and not s.weights.is_complete(s.version):
         moved = s.weights.set_aside(s.version, "incomplete: config.json, *.safetensors or weights.json missing")
         log.warning("weights of version %d were incomplete; moved to %s and published again", s.version, moved)
     if not s.weights.folder(s.version).exists():
-        s.publisher.publish(s.model, s.version, info={"step": s.step}, wait=True)
+        s.publisher.publish(initial if initial is not None else s.model.state_dict(), s.version,
+                            info={"step": s.step}, wait=True)
     elif s.weights.latest() != s.version:
         s.weights.set_latest(s.version)
 

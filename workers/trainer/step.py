@@ -6,7 +6,8 @@
             log pi_theta = token_logprobs(logits / temperature)
             (epoch 1: keep them, detached, as the proximal log pi_old; ref forward if beta > 0)
             policy_loss(..., normaliser).backward()      # accumulates the full-batch gradient
-        all-reduce (sum) grads over ranks; clip the global norm; AdamW step
+        (fsdp: zero-weight passes until every rank has run as many as the busiest)
+        all-reduce (sum) grads over ranks (fsdp: done by the reduce-scatter); clip the global norm; AdamW step
 
 The proximal policy of the decoupled objective is pi_theta at batch start.
 Every row is scored once in epoch 1 before the first update, with those very
@@ -30,6 +31,7 @@ from workers.grpo import PolicyLossConfig, PolicyLossInputs, loss_normalizer, po
 from workers.trainer.batch import MicroBatch, StepBatch, make_micro_batch
 from workers.trainer.config import TrainerConfig
 from workers.trainer.distributed import Dist
+from workers.trainer.fsdp import clip_grad_norm, padding_passes
 from workers.trainer.metrics import LossMetrics
 
 
@@ -117,10 +119,18 @@ def train_step(model, ref_model, optimizer, batch: StepBatch, *, cfg: TrainerCon
             times.forward_s += t1 - t0
             times.backward_s += t2 - t1
             acc.add(metrics)
+        if dist.sharded:
+            for _ in range(padding_passes(len(order), b_total, cfg.micro_batch_size, dist.world)):
+                t0 = time.perf_counter()
+                _zero_weight_pass(model, ref_model if epoch == 0 else None, batch, pad_id, cfg, device)
+                times.forward_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        dist.all_reduce_grads(params)
         limit = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        if dist.sharded:
+            norm = clip_grad_norm(params, limit, dist)
+        else:
+            dist.all_reduce_grads(params)
+            norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
         grad_norms.append(norm)
         clipped += int(cfg.max_grad_norm is not None and norm > cfg.max_grad_norm)
         if math.isfinite(norm):  # an inf/NaN gradient would poison AdamW's moments: skip, and count it
@@ -133,3 +143,16 @@ def train_step(model, ref_model, optimizer, batch: StepBatch, *, cfg: TrainerCon
     out["grad/clipped"] = float(clipped)
     out["grad/nonfinite"] = float(sum(not math.isfinite(n) for n in grad_norms))
     return out, times
+
+
+def _zero_weight_pass(model, ref_model, batch: StepBatch, pad_id: int, cfg: TrainerConfig,
+                      device: torch.device) -> None:
+    """One forward/backward on row 0 whose loss is multiplied by 0: FSDP's gathers and
+    reduce-scatters run (every rank must join them), and the gradient does not change."""
+    input_ids = make_micro_batch(batch, np.array([0]), pad_id).to(device).input_ids     # (1, L)
+    with autocast(cfg, device):
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_model(input_ids=input_ids, use_cache=False)
+        logits = model(input_ids=input_ids, use_cache=False).logits                     # (1, L, V)
+    (logits.float().sum() * 0.0).backward()
