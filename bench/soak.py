@@ -62,10 +62,14 @@ writer wrote, 8 rows each, and every non-filtered group was consumed).
 
 Part 2, real (skipped with `--minutes 0`): `asyncgrpo run configs/default.toml
 --run <tmp>/soak-real --set run.time_limit_s=none` (the time limit is what
-ends a default run; trainer.max_steps is unset, i.e. unlimited, by default)
-for `--minutes` minutes from the moment its daemons start (the warm start is
-cached in runs/.cache), then SIGINT, as Ctrl-C (the run stops cleanly). Every
-minute: live files (shards, ledger, metrics, generator_metrics: live ones), status
+ends a default run; trainer.max_steps is unset, i.e. unlimited, by default;
+`--set KEY=VALUE` adds overrides) for `--minutes` minutes from the moment its
+daemons start (the warm start is cached in runs/.cache), then SIGINT, as
+Ctrl-C (the run stops cleanly). Every 5 s: live files (shards, ledger,
+metrics, generator_metrics: live ones), kept as each minute's peak and low
+(a once-a-minute sample drifts through the compactor's ~30 s cycle, and its
+saw-tooth is that drift; the trend is judged on the peaks). Every
+minute: live files, status
 time, one SQL aggregate's latency and whether it raised, the newest
 "memory/rss_mb" of the trainer and rss_mb of each generator from their
 metrics (plus VmRSS of the compactor and the supervisor from /proc), and
@@ -83,7 +87,7 @@ at the last tenth aggregate <= 1 s, pull p99 <= 250 ms, status <= 1 s, live
 files <= 2000; each latency last/first <= 1.5; writer and sampler RSS
 last/first <= 1.25) as booleans, the invariants, and under "real" the real
 part's figures (live files: the maximum, the maxima of the first and second
-half of the minutes and the slope over the second half; RSS per daemon at the
+half of the minutes and the slope over the second half, all of each minute's peak; RSS per daemon at the
 middle minute and the last, and their ratio; query errors; idle share at
 minute 5 and at the last minute). Exit code: 0 when everything ran and the
 invariants hold (targets are reported, not enforced), 1 on an error (a child
