@@ -1,11 +1,11 @@
 """Child `asyncgrpo` processes that never outlive their parent.
 
 Both supervisors (`asyncgrpo run` for its trainer and generators, `asyncgrpo
-ablate` for its cells) start children here: the child asks the kernel for
-SIGTERM when its parent dies (PR_SET_PDEATHSIG), so nothing is left behind even
-after a kill -9 of the supervisor; output goes to a log file; optionally the
-child gets a process group of its own (Ctrl-C reaches only the supervisor,
-which stops children in order) and a set of cores.
+ablate` for its cells) and the Ray launcher's actors start children here: the
+child asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG), so
+nothing is left behind even after a kill -9 of the supervisor; output goes to a
+log file; optionally the child gets a process group of its own (Ctrl-C reaches
+only the supervisor, which stops children in order) and a set of cores.
 """
 
 from __future__ import annotations
@@ -25,6 +25,16 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline", *args]
 
 
+def trainer_argv(run_dir: str, *, resume: bool, ranks: int = 1) -> list[str]:
+    """The trainer's command: `asyncgrpo train`, under torchrun (one node, `ranks` processes) when ranks > 1."""
+    tail = ["--resume"] if resume else []
+    if ranks == 1:
+        return cli_argv("train", "--run", run_dir, *tail)
+    # --run-dir: torchrun's parser takes "--run" for a prefix of its own --run-path.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+            "-m", "pipeline", "train", "--run-dir", run_dir, *tail]
+
+
 def die_with_parent() -> None:
     """In a child before exec: SIGTERM when the parent exits (Linux; elsewhere a no-op)."""
     try:
@@ -34,19 +44,21 @@ def die_with_parent() -> None:
 
 
 def spawn(argv: list[str], log_path: Path, *, own_group: bool = False,
-          cores: list[int] | None = None) -> subprocess.Popen:
+          cores: list[int] | None = None, cwd: str | None = None) -> subprocess.Popen:
     """Start `argv` with stdout and stderr appended to `log_path`, tied to this process's life."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def pre() -> None:
         die_with_parent()
+        # Ray's processes block SIGINT, and a blocked mask is inherited: the daemon stops on it as it does locally.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         if own_group:
             os.setpgid(0, 0)
         if cores:
             os.sched_setaffinity(0, cores)
 
     with open(log_path, "ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pre,
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pre, cwd=cwd,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
