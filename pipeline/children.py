@@ -35,21 +35,22 @@ def trainer_argv(run_dir: str, *, resume: bool, ranks: int = 1) -> list[str]:
             "-m", "pipeline", "train", "--run-dir", run_dir, *tail]
 
 
-def die_with_parent() -> None:
-    """In a child before exec: SIGTERM when the parent exits (Linux; elsewhere a no-op)."""
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """In a child before exec: `signum` when the parent exits (Linux; elsewhere a no-op)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
     except OSError:
         pass
 
 
-def spawn(argv: list[str], log_path: Path, *, own_group: bool = False,
-          cores: list[int] | None = None, cwd: str | None = None) -> subprocess.Popen:
-    """Start `argv` with stdout and stderr appended to `log_path`, tied to this process's life."""
+def spawn(argv: list[str], log_path: Path, *, own_group: bool = False, cores: list[int] | None = None,
+          cwd: str | None = None, death_signal: int = signal.SIGTERM) -> subprocess.Popen:
+    """Start `argv` with stdout and stderr appended to `log_path`, tied to this process's life
+    (it gets `death_signal` when this process dies)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def pre() -> None:
-        die_with_parent()
+        die_with_parent(death_signal)
         # Ray's processes block SIGINT, and a blocked mask is inherited: the daemon stops on it as it does locally.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         if own_group:

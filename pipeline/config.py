@@ -70,7 +70,8 @@ class RunConfig:
     max_generator_restarts: int | None = 10
     """Give up (stop the run) after this many crashes of one generator, or of the compactor (None: never)."""
     pin_cores: bool = False
-    """Pin the trainer to core 0 and generators to the other cores (emulates separate hardware)."""
+    """Pin the trainer to core 0 and generators to the other cores (emulates separate hardware; the local
+    launcher only: under `--launcher ray` the [ray] section places the daemons)."""
 
     def __post_init__(self) -> None:
         require(self, "seed", is_int(self.seed, 0), "an integer >= 0")

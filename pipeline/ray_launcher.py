@@ -10,7 +10,7 @@
     run: each actor runs its daemon's command (`asyncgrpo train` under torchrun when
         trainer_ranks > 1, `asyncgrpo generate`, `asyncgrpo compactor`: what the local launcher
         runs) as a subprocess in a process group of its own, output appended to
-        <run>/logs/<name>.log; the subprocess gets SIGTERM if its actor dies
+        <run>/logs/<name>.log; the subprocess is killed if its actor dies
     supervise: pipeline.run's Supervisor, as locally (restarts with backoff, display,
         summary); a crashed trainer is restarted with --resume; an actor that died is made anew
     stop: SIGTERM to each subprocess through its actor, wait (generators flush, the trainer
@@ -29,7 +29,7 @@ import asyncio
 import logging
 import os
 import signal
-import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,14 +46,19 @@ log = logging.getLogger("asyncgrpo.ray")
 INSTALL_HINT = "pip install -e '.[ray]'"
 ACTOR_LOST = -1            # the exit code recorded when an actor (not its daemon) died
 KILL_WAIT_S = 10.0
+OBJECT_STORE_BYTES = 128 * 2**20   # the local instance's: only exit codes pass through Ray's object store
 
 
 class DaemonActor:
     """Runs one daemon's command as a subprocess of this Ray actor (made a Ray actor by RayLauncher).
 
-    Async: every method runs on the actor's one event-loop thread, the thread that
-    starts the subprocess, so the subprocess's PR_SET_PDEATHSIG (sent when its parent
-    thread ends) fires only when the actor itself dies."""
+    The subprocess is killed (SIGKILL, not SIGTERM as under the local launcher) the moment
+    this actor dies: the supervisor then starts the daemon anew in a new actor, and two
+    trainers of one run must never overlap, not even while the old one checkpoints. (Every
+    daemon survives a kill -9 without loss; see README "Fault tolerance".) Async: every
+    method runs on the actor's one event-loop thread, the thread that starts the
+    subprocess, so PR_SET_PDEATHSIG (sent when the parent *thread* ends) fires only when
+    the actor itself dies."""
 
     def __init__(self, name: str, log_path: str, cwd: str):
         self.name, self.log_path, self.cwd = name, Path(log_path), cwd
@@ -64,15 +69,19 @@ class DaemonActor:
         return f"asyncgrpo-{self.name}"
 
     async def run(self, argv: list[str]) -> int:
-        """Start `argv` and return its exit code (negative: the signal that ended it)."""
+        """Start `argv` and return its exit code (negative: the signal that ended it). argv[0], the
+        launching machine's interpreter, becomes this node's (the same installation, perhaps elsewhere);
+        the daemon starts in the launching command's directory where this node has it."""
         if self.stopping:   # a stop that arrived before this call: never start
             return 0
-        self.proc = spawn(argv, self.log_path, own_group=True, cwd=self.cwd)
+        cwd = self.cwd if os.path.isdir(self.cwd) else None
+        self.proc = spawn([sys.executable, *argv[1:]], self.log_path, own_group=True, cwd=cwd,
+                          death_signal=signal.SIGKILL)
         while (code := self.proc.poll()) is None:
             await asyncio.sleep(0.2)
         return code
 
-    async def signal(self, signum: int) -> None:
+    async def send(self, signum: int) -> None:
         """SIGTERM to the daemon; SIGKILL to its whole process group (torchrun's ranks, vLLM's engine)."""
         self.stopping = True
         if self.proc is None or self.proc.poll() is not None:
@@ -82,9 +91,6 @@ class DaemonActor:
         else:
             self.proc.send_signal(signum)
 
-    async def node(self) -> str:
-        return socket.gethostname()
-
 
 @dataclass
 class RayDaemon:
@@ -93,6 +99,7 @@ class RayDaemon:
     name: str
     argv: list[str]
     log_path: Path
+    ray: Any                  # the ray module (imported by RayLauncher: Ray is optional)
     actor_cls: Any
     options: dict             # the actor's resources and placement
     cwd: str
@@ -110,8 +117,7 @@ class RayDaemon:
         self.done = self.actor.run.remote(self.argv)
 
     def poll(self) -> int | None:
-        import ray
-
+        ray = self.ray
         if self.done is None or self.code is not None:
             return self.code
         ready, _ = ray.wait([self.done], timeout=0)
@@ -120,35 +126,29 @@ class RayDaemon:
         return self.code
 
     def _exit_code(self) -> int:
-        import ray
-
         try:
-            return ray.get(self.done)
-        except ray.exceptions.RayError as e:   # its worker or node died, or it could not start
-            _note(self.log_path, f"asyncgrpo run: the Ray actor of {self.name} died; a new one takes over "
-                                 f"at its restart. Ray says: {e}")
+            return self.ray.get(self.done)
+        except self.ray.exceptions.RayError as e:   # its worker or node died, or it could not start
+            _note(self.log_path, f"asyncgrpo run: the Ray actor running {self.name} ended (a restart makes "
+                                 f"a new one). Ray says: {e}")
             self.actor = None
             return ACTOR_LOST
 
     def terminate(self) -> None:
         if self.actor is not None and self.poll() is None:
-            self.actor.signal.remote(signal.SIGTERM)
+            self.actor.send.remote(signal.SIGTERM)
 
     def kill(self) -> None:
-        import ray
-
         if self.actor is None or self.poll() is not None:
             return
-        self.actor.signal.remote(signal.SIGKILL)
+        self.actor.send.remote(signal.SIGKILL)
         if not self.wait(KILL_WAIT_S):   # the actor itself does not answer
-            ray.kill(self.actor, no_restart=True)
+            self.ray.kill(self.actor, no_restart=True)
 
     def wait(self, timeout: float | None) -> bool:
-        import ray
-
         if self.done is None or self.code is not None:
             return True
-        ready, _ = ray.wait([self.done], timeout=timeout)
+        ready, _ = self.ray.wait([self.done], timeout=timeout)
         if ready:
             self.poll()
         return bool(ready)
@@ -179,7 +179,7 @@ class RayLauncher:
                            f"{INSTALL_HINT} (or --launcher local)") from None
         self.ray = ray
         # Ray does not restart an actor: the supervisor does, with its backoff and limits. Concurrent calls:
-        # signal() must run while run() waits for the daemon.
+        # send() must run while run() waits for the daemon.
         self.actor_cls = ray.remote(max_restarts=0, max_concurrency=4)(DaemonActor)
         self.cfg, self.address = cfg, address
         self.ray_cfg = cfg.ray
@@ -195,7 +195,8 @@ class RayLauncher:
         common = dict(log_to_driver=False, logging_level=logging.WARNING)
         if self.address is None:
             cpus = len(os.sched_getaffinity(0))
-            ray.init(address="local", num_cpus=cpus, include_dashboard=self.ray_cfg.include_dashboard, **common)
+            ray.init(address="local", num_cpus=cpus, include_dashboard=self.ray_cfg.include_dashboard,
+                     object_store_memory=OBJECT_STORE_BYTES, **common)
             self.started_ray = True
         else:
             try:
@@ -256,13 +257,13 @@ class RayLauncher:
             options = dict(num_cpus=r.generator_cpus, num_gpus=r.generator_gpus)
         else:
             options = dict(num_cpus=r.compactor_cpus)
-        d = RayDaemon(name, argv, log_path, self.actor_cls, options, cwd=os.getcwd())
+        d = RayDaemon(name, argv, log_path, self.ray, self.actor_cls, options, cwd=os.getcwd())
         self.daemons.append(d)
         return d
 
     def close(self) -> None:
-        """Kill the actors (their daemons have stopped, or get SIGTERM as the actor dies), remove the
-        placement group, and stop the Ray instance this launcher started."""
+        """Kill the actors (their daemons have stopped, or die with them), remove the placement group,
+        and stop the Ray instance this launcher started."""
         from ray.util.placement_group import remove_placement_group
 
         ray = self.ray

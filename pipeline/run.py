@@ -223,8 +223,8 @@ def run_pipeline(run_dir: Path, cfg: Config, *, resume: bool, echo=print, launch
     """Run (or resume) the pipeline in `run_dir` (daemons where `launcher` puts them; default: here);
     returns the summary that is also printed."""
     launcher = launcher or LocalLauncher(cfg)
-    launcher.open(echo)   # a cluster that cannot run the daemons fails here, before the model is prepared
     try:
+        launcher.open(echo)   # a cluster that cannot run the daemons fails here, before the model is prepared
         return _run(run_dir, cfg, resume, echo, launcher)
     finally:
         launcher.close()

@@ -86,7 +86,10 @@ def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bo
         if path.exists() and any(path.iterdir()) and not force:
             raise UserError(f"run directory {run_dir!r} already holds a run; pass --resume to "
                             "continue it, --force to start over, or choose another --run")
-    where = RayLauncher(cfg, address=address) if launcher == "ray" else None   # Ray missing: stop before --force
+    where = None
+    if launcher == "ray":
+        where = RayLauncher(cfg, address=address)   # Ray missing: stopped here, before --force deletes anything
+        path = path.absolute()                        # the daemons may start in another directory
     if not resume and path.exists() and any(path.iterdir()):
         shutil.rmtree(path)
     run_pipeline(path, cfg, resume=resume, echo=click.echo, launcher=where)
