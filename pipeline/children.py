@@ -2,15 +2,17 @@
 
 Both supervisors (`asyncgrpo run` for its trainer and generators, `asyncgrpo
 ablate` for its cells) and the Ray launcher's actors start children here: the
-child asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG), so
-nothing is left behind even after a kill -9 of the supervisor; output goes to a
-log file; optionally the child gets a process group of its own (Ctrl-C reaches
-only the supervisor, which stops children in order) and a set of cores.
+child asks the kernel for SIGTERM (a Ray actor's: SIGKILL) when its parent dies
+(PR_SET_PDEATHSIG), so nothing is left behind even after a kill -9 of the
+supervisor; output goes to a log file; optionally the child gets a process
+group of its own (Ctrl-C reaches only the supervisor, which stops children in
+order) and a set of cores.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -35,12 +37,21 @@ def trainer_argv(run_dir: str, *, resume: bool, ranks: int = 1) -> list[str]:
             "-m", "pipeline", "train", "--run-dir", run_dir, *tail]
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """libc, loaded once in the parent: a dlopen in a child forked from a threaded process (a Ray
+    actor) can deadlock on a lock another thread held at the fork."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
 def die_with_parent(signum: int = signal.SIGTERM) -> None:
     """In a child before exec: `signum` when the parent exits (Linux; elsewhere a no-op)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
-    except OSError:
-        pass
+    libc = _libc()
+    if libc is not None:
+        libc.prctl(_PR_SET_PDEATHSIG, signum)
 
 
 def spawn(argv: list[str], log_path: Path, *, own_group: bool = False, cores: list[int] | None = None,
@@ -48,6 +59,7 @@ def spawn(argv: list[str], log_path: Path, *, own_group: bool = False, cores: li
     """Start `argv` with stdout and stderr appended to `log_path`, tied to this process's life
     (it gets `death_signal` when this process dies)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    _libc()   # loaded here, not in the child
 
     def pre() -> None:
         die_with_parent(death_signal)
