@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+# Set (to "1") in the environment of a Ray actor's daemon, and so inherited by torchrun's ranks.
+DIE_WITH_PARENT_ENV = "ASYNCGRPO_DIE_WITH_PARENT"
 
 
 def cli_argv(*args: str) -> list[str]:
@@ -54,10 +56,24 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signum)
 
 
+def die_with_parent_if_asked() -> None:
+    """At the start of `python -m pipeline`: SIGKILL when the parent dies, if DIE_WITH_PARENT_ENV is set.
+
+    For the trainer ranks that torchrun starts inside a Ray actor: torchrun gives each rank a
+    session of its own, out of reach of a signal to torchrun's process group, so a rank would
+    go on training after its actor and torchrun died, beside the trainer that replaces it."""
+    if os.environ.get(DIE_WITH_PARENT_ENV) != "1":
+        return
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() == 1:   # the parent died before the line above
+        os._exit(1)
+
+
 def spawn(argv: list[str], log_path: Path, *, own_group: bool = False, cores: list[int] | None = None,
-          cwd: str | None = None, death_signal: int = signal.SIGTERM) -> subprocess.Popen:
+          cwd: str | None = None, death_signal: int = signal.SIGTERM,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `argv` with stdout and stderr appended to `log_path`, tied to this process's life
-    (it gets `death_signal` when this process dies)."""
+    (it gets `death_signal` when this process dies); `env`: variables added to this process's."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     _libc()   # loaded here, not in the child
 
@@ -72,7 +88,7 @@ def spawn(argv: list[str], log_path: Path, *, own_group: bool = False, cores: li
 
     with open(log_path, "ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pre, cwd=cwd,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 def tail(path: Path, lines: int = 15) -> str:

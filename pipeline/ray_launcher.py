@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.children import spawn
+from pipeline.children import DIE_WITH_PARENT_ENV, spawn
 from pipeline.errors import RunError
 
 if TYPE_CHECKING:
@@ -53,9 +53,10 @@ class DaemonActor:
     """Runs one daemon's command as a subprocess of this Ray actor (made a Ray actor by RayLauncher).
 
     The subprocess is killed (SIGKILL, not SIGTERM as under the local launcher) the moment
-    this actor dies: the supervisor then starts the daemon anew in a new actor, and two
-    trainers of one run must never overlap, not even while the old one checkpoints. (Every
-    daemon survives a kill -9 without loss; see README "Fault tolerance".) Async: every
+    this actor dies, and so are torchrun's ranks with torchrun (DIE_WITH_PARENT_ENV): the
+    supervisor then starts the daemon anew in a new actor, and two trainers of one run must
+    never overlap, not even while the old one checkpoints. (Every daemon survives a kill -9
+    without loss; see README "Fault tolerance".) Async: every
     method runs on the actor's one event-loop thread, the thread that starts the
     subprocess, so PR_SET_PDEATHSIG (sent when the parent *thread* ends) fires only when
     the actor itself dies."""
@@ -76,7 +77,7 @@ class DaemonActor:
             return 0
         cwd = self.cwd if os.path.isdir(self.cwd) else None
         self.proc = spawn([sys.executable, *argv[1:]], self.log_path, own_group=True, cwd=cwd,
-                          death_signal=signal.SIGKILL)
+                          death_signal=signal.SIGKILL, env={DIE_WITH_PARENT_ENV: "1"})
         while (code := self.proc.poll()) is None:
             await asyncio.sleep(0.2)
         return code

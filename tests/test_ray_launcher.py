@@ -24,6 +24,7 @@ import pytest
 
 from buffer import BufferSQL
 from conftest import REPO, run_cli
+from pipeline.children import DIE_WITH_PARENT_ENV
 from pipeline.config import load_config
 from pipeline.run import Supervisor
 from test_run import metrics_steps, processes_of, start_run, wait_for
@@ -136,6 +137,20 @@ def test_several_trainer_ranks_run_under_torchrun(tmp_path):
                 "-m", "pipeline", "train", "--run-dir", str(tmp_path)]
     assert sup.trainer.started == [torchrun]
     assert _crash_and_restart(sup, sup.trainer) and sup.trainer.started[1] == torchrun + ["--resume"]
+
+
+def test_a_rank_in_a_session_of_its_own_dies_with_its_parent_when_asked():
+    """As torchrun starts trainer ranks (start_new_session) inside a Ray actor: the parent's death kills them."""
+    rank = ("from pipeline.children import die_with_parent_if_asked; die_with_parent_if_asked(); "
+            "import time; time.sleep(60)")
+    parent = ("import os, subprocess, sys, time; "
+              f"p = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True, env=dict(os.environ, "
+              f"{DIE_WITH_PARENT_ENV}='1')); print(p.pid, flush=True); time.sleep(1.5); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", parent], cwd=REPO, capture_output=True, text=True, timeout=30,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    pid = int(out.stdout.split()[0])
+    wait_for(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
+             10, "the rank to die with its parent")
 
 
 # ---- without Ray, and settings that cannot run ------------------------------------------------------------------
