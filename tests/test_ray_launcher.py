@@ -271,6 +271,8 @@ def ray_run(tmp_path_factory):
                                                      and "--resume" in argv_of(q)], 60, "the trainer to resume")
         wait_for(lambda: metrics_steps(run) >= max(step + 2, MIN_STEPS), 240, "training to go on after the resume")
         seen.look()
+    except Exception as e:  # noqa: BLE001 - every test below reports it, with the run's output
+        facts["error"] = f"{type(e).__name__}: {e}"
     finally:
         p.send_signal(signal.SIGINT)              # Ctrl-C
         facts["out"], _ = p.communicate(timeout=240)
@@ -282,10 +284,19 @@ def ray_run(tmp_path_factory):
     return facts
 
 
+def completed(ray_run) -> dict:
+    """The run's facts, once it is known to have gone as planned and stopped with exit code 0."""
+    logs = ray_run["run"] / "logs"
+    tails = "".join(f"\n--- {f.name}:\n" + "\n".join(f.read_text(errors="replace").splitlines()[-15:])
+                    for f in sorted(logs.glob("*.log"))) if logs.is_dir() else ""
+    assert "error" not in ray_run and ray_run["returncode"] == 0, \
+        f"{ray_run.get('error')}; exit code {ray_run['returncode']}\n{ray_run['out'][-4000:]}{tails}"
+    return ray_run
+
+
 @needs_ray
 def test_ray_run_trains_with_two_generators_and_reuses_the_display(ray_run):
-    out, run = ray_run["out"], ray_run["run"]
-    assert ray_run["returncode"] == 0, out
+    out, run = completed(ray_run)["out"], ray_run["run"]
     assert len(ray_run["generators_at_start"]) == GENERATORS and len(ray_run["trainer_at_start"]) == 1
     assert "Ray: a local Ray instance, 1 node(s)" in out
     assert "stopping (SIGINT)" in out and "greedy accuracy on 20 held-out prompts: before" in out
@@ -300,7 +311,7 @@ def test_ray_run_trains_with_two_generators_and_reuses_the_display(ray_run):
 
 @needs_ray
 def test_killed_generator_restarts_and_killed_trainer_resumes(ray_run):
-    run, out = ray_run["run"], ray_run["out"]
+    run, out = completed(ray_run)["run"], ray_run["out"]
     assert "generator-0 exited with code -9; restarting" in out or "generator-1 exited with code -9; restarting" in out
     assert "trainer exited with code -9; restarting" in out
     s = json.loads((run / "run.json").read_text())["summary"]
@@ -310,7 +321,7 @@ def test_killed_generator_restarts_and_killed_trainer_resumes(ray_run):
 
 @needs_ray
 def test_sql_invariants_hold_after_the_kills(ray_run):
-    run = ray_run["run"]
+    run = completed(ray_run)["run"]
     steps = BufferSQL(run).query("SELECT max(trainer_step) s FROM consumed").to_pylist()[0]["s"]
     assert steps >= MIN_STEPS and WeightStore(run / "weights").latest() == steps
     figures = invariants(run, ray_run["seen"], max_steps=steps, groups_per_step=8, max_staleness=2)
@@ -322,7 +333,7 @@ def test_sql_invariants_hold_after_the_kills(ray_run):
 
 @needs_ray
 def test_ctrl_c_leaves_no_process_behind(ray_run):
-    assert ray_run["returncode"] == 0, ray_run["out"]
+    completed(ray_run)
     assert not ray_run["left_behind"], "daemons outlived the run"
     assert not ray_run["ray_left_behind"], "Ray processes outlived the run"
     assert any((ray_run["run"] / "checkpoints").iterdir())
