@@ -130,6 +130,7 @@ class RayDaemon:
         try:
             return self.ray.get(self.done)
         except self.ray.exceptions.RayError as e:   # its worker or node died, or it could not start
+            log.warning("%s's Ray actor died, recorded as exit code %d; see %s", self.name, ACTOR_LOST, self.log_path)
             _note(self.log_path, f"asyncgrpo run: the Ray actor running {self.name} ended (a restart makes "
                                  f"a new one). Ray says: {e}")
             self.actor = None

@@ -3,8 +3,9 @@
 The supervision policy is checked with fake daemons (no processes, exact counts); the
 rest is one real run on a local Ray instance (this machine's CPUs), shared by the tests
 below it because Ray's start-up and the daemons' take most of its time: 2 generators
-train; a generator's daemon is killed -9 and restarted; the trainer's is killed -9 and
-resumes; Ctrl-C stops everything and leaves no process behind; bench/chaos.py's SQL
+train; a generator's daemon is killed -9 and restarted; another generator's Ray actor is
+killed -9, its daemon dies with it and a new actor runs it; the trainer's daemon is killed
+-9 and resumes; Ctrl-C stops everything and leaves no process behind; bench/chaos.py's SQL
 invariants hold (nothing trained twice, nothing flushed lost, staleness within the limit).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -242,6 +244,29 @@ def argv_of(pid: int) -> list[str]:
         return []
 
 
+def index_of(pid: int) -> str | None:
+    """The --index of a generator process."""
+    argv = argv_of(pid)
+    return argv[argv.index("--index") + 1] if "--index" in argv else None
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def resumed_step(run: Path) -> int | None:
+    """The step a resumed trainer continues from (its log's 'trainer at step k, ... (resumed'), once it says so."""
+    found = re.findall(r"trainer at step (\d+), version \d+ \(resumed", (run / "logs" / "trainer.log").read_text())
+    return int(found[-1]) if found else None
+
+
 @pytest.fixture(scope="module")
 def ray_run(tmp_path_factory):
     """The run, its kills and its Ctrl-C; what was seen, for the tests to check."""
@@ -263,13 +288,21 @@ def ray_run(tmp_path_factory):
         os.kill(gens[0], signal.SIGKILL)
         facts["generator_restarted"] = wait_for(lambda: [q for q in daemons(run, "generate") if q not in gens],
                                                 60, "the generator to be restarted")
+        # kill -9 of generator-1's Ray actor (the parent of its daemon): the daemon dies with it, a new actor
+        # runs it anew
+        daemon = next(q for q in daemons(run, "generate") if index_of(q) == "1")
+        seen.look()
+        os.kill(parent_of(daemon), signal.SIGKILL)
+        wait_for(lambda: not alive(daemon), 5, "generator-1's daemon to die with its actor")
+        facts["actor_replaced"] = wait_for(lambda: [q for q in daemons(run, "generate") if index_of(q) == "1"
+                                                    and q != daemon], 60, "generator-1 to run in a new actor")
         facts["trainer_at_start"] = trainers = daemons(run, "train")
-        step = metrics_steps(run)
         seen.look()
         os.kill(trainers[0], signal.SIGKILL)
         facts["trainer_resumed"] = wait_for(lambda: [q for q in daemons(run, "train") if q not in trainers
                                                      and "--resume" in argv_of(q)], 60, "the trainer to resume")
-        wait_for(lambda: metrics_steps(run) >= max(step + 2, MIN_STEPS), 240, "training to go on after the resume")
+        resumed_at = wait_for(lambda: resumed_step(run), 120, "the resumed trainer to open its checkpoint")
+        wait_for(lambda: metrics_steps(run) >= max(resumed_at + 2, MIN_STEPS), 240, "two steps after the resume")
         seen.look()
     except Exception as e:  # noqa: BLE001 - every test below reports it, with the run's output
         facts["error"] = f"{type(e).__name__}: {e}"
@@ -314,8 +347,10 @@ def test_killed_generator_restarts_and_killed_trainer_resumes(ray_run):
     run, out = completed(ray_run)["run"], ray_run["out"]
     assert "generator-0 exited with code -9; restarting" in out or "generator-1 exited with code -9; restarting" in out
     assert "trainer exited with code -9; restarting" in out
+    assert "generator-1's Ray actor died" in out and "generator-1 exited with code -1; restarting" in out
+    assert "the Ray actor running generator-1 ended" in (run / "logs" / "generator-1.log").read_text()
     s = json.loads((run / "run.json").read_text())["summary"]
-    assert s["generator_restarts"] >= 1 and s["trainer_restarts"] >= 1
+    assert s["generator_restarts"] >= 2 and s["trainer_restarts"] >= 1
     assert "(resumed, online)" in (run / "logs" / "trainer.log").read_text()
 
 
