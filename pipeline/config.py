@@ -70,7 +70,8 @@ class RunConfig:
     max_generator_restarts: int | None = 10
     """Give up (stop the run) after this many crashes of one generator, or of the compactor (None: never)."""
     pin_cores: bool = False
-    """Pin the trainer to core 0 and generators to the other cores (emulates separate hardware)."""
+    """Pin the trainer to core 0 and generators to the other cores (emulates separate hardware; the local
+    launcher only: under `--launcher ray` the [ray] section places the daemons)."""
 
     def __post_init__(self) -> None:
         require(self, "seed", is_int(self.seed, 0), "an integer >= 0")
@@ -86,6 +87,54 @@ class RunConfig:
                 "an integer >= 0, or omitted (unlimited)")
 
 
+def _is_gpu_count(x) -> bool:
+    """What Ray accepts for a GPU request: a fraction of one GPU, or whole GPUs."""
+    return is_num(x, 0) and (x <= 1 or float(x).is_integer())
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Where the daemons run under `asyncgrpo run --launcher ray` (the local launcher ignores this section).
+
+    Each daemon is a Ray actor that reserves these logical resources and runs the daemon's
+    command as a subprocess; the daemon sees the GPUs Ray gives it (CUDA_VISIBLE_DEVICES) and
+    OMP_NUM_THREADS = its CPUs (at least 1)."""
+
+    trainer_ranks: int = 1
+    """Trainer processes, on one node: 1 runs `asyncgrpo train`, more run it under torchrun
+    (--nproc_per_node) in one actor whose resources, ranks x the per-rank ones below, are reserved
+    together in a placement group (kept for the trainer across its restarts)."""
+    trainer_cpus: float = 1.0
+    """CPUs reserved per trainer rank (> 0: a placement group asks for something)."""
+    trainer_gpus: float = 0.0
+    """GPUs reserved per trainer rank (1 on a GPU cluster, with trainer.device = "cuda")."""
+    generator_cpus: float = 1.0
+    """CPUs reserved per generator."""
+    generator_gpus: float = 0.0
+    """GPUs reserved per generator (1 with model.device = "cuda"; a fraction shares a GPU)."""
+    compactor_cpus: float = 0.0
+    """CPUs reserved for the compactor (0: placed anywhere; it sleeps between passes)."""
+    max_trainer_restarts: int | None = 3
+    """Restart a crashed trainer (with --resume, after run.restart_backoff_s doubling) this many times,
+    then stop the run (None: always)."""
+    include_dashboard: bool = False
+    """Start Ray's dashboard (port 8265) with the local Ray instance; off: start-up is faster and
+    lighter. A cluster given with --address has its own."""
+
+    def __post_init__(self) -> None:
+        require(self, "trainer_ranks", is_int(self.trainer_ranks, 1), "an integer >= 1")
+        require(self, "trainer_cpus", is_num(self.trainer_cpus, 0, lo_open=True), "a number > 0")
+        for key in ("generator_cpus", "compactor_cpus"):
+            require(self, key, is_num(getattr(self, key), 0), "a number >= 0")
+        for key in ("trainer_gpus", "generator_gpus"):
+            require(self, key, _is_gpu_count(getattr(self, key)), "a number >= 0, whole above 1 (Ray's rule)")
+        require(self, "trainer_gpus", _is_gpu_count(self.trainer_gpus * self.trainer_ranks),
+                f"whole when multiplied by trainer_ranks ({self.trainer_ranks}), or at most 1 in all")
+        require(self, "max_trainer_restarts",
+                self.max_trainer_restarts is None or is_int(self.max_trainer_restarts, 0),
+                "an integer >= 0, or omitted (unlimited)")
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a run needs; the sections of the TOML file."""
@@ -98,6 +147,7 @@ class Config:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     compactor: CompactorConfig = field(default_factory=CompactorConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
 def parse_override(item: str) -> tuple[str, object]:
@@ -213,5 +263,5 @@ def with_overrides(cfg: Config, overrides: list[str]) -> Config:
     return _resolve(to_dict(cfg), overrides, "--set")
 
 
-__all__ = ["Config", "ConfigError", "ModelConfig", "RunConfig", "load_config", "load_run_config",
+__all__ = ["Config", "ConfigError", "ModelConfig", "RayConfig", "RunConfig", "load_config", "load_run_config",
            "parse_override", "save_config", "with_overrides"]

@@ -1,4 +1,4 @@
-"""`asyncgrpo run`: the whole pipeline as supervised subprocesses, with a live display.
+"""`asyncgrpo run`: the whole pipeline as supervised daemons, with a live display.
 
     prepare the model (embedded tiny model: built and warm-started once, cached)
     greedy accuracy on held-out prompts, before
@@ -6,12 +6,17 @@
         (`asyncgrpo train` / `asyncgrpo generate` / `asyncgrpo compactor`)
     until the trainer finishes, the time limit, or Ctrl-C / SIGTERM:
         show step, version, reward, accuracy, staleness, buffer fill, filtered, expired, idle share
-        restart a crashed generator or compactor with backoff; stop the run if the trainer crashes
-    stop: SIGTERM to every child (generators flush, the trainer checkpoints), wait
+        restart a crashed generator or compactor with backoff; a crashed trainer stops the run
+        (under Ray it is restarted with --resume, up to ray.max_trainer_restarts)
+    stop: SIGTERM to every daemon (generators flush, the trainer checkpoints), wait
     greedy accuracy on held-out prompts, after; the run directory; SQL to try next
 
-Children get SIGTERM if this process dies (PR_SET_PDEATHSIG), so nothing is
-left behind even after a kill -9 of the supervisor.
+A launcher decides where the daemons run: `LocalLauncher` (the default) starts
+them as subprocesses of this process, `pipeline.ray_launcher.RayLauncher` as Ray
+actors on a cluster. The supervision above, the display and the summary are
+the same for both. Local children get SIGTERM if this process dies
+(PR_SET_PDEATHSIG), so nothing is left behind even after a kill -9 of the
+supervisor.
 """
 
 from __future__ import annotations
@@ -24,13 +29,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol
 
-import buffer
-from buffer.layout import run_file_set
-from pipeline.children import cli_argv, spawn, tail
+from pipeline.children import cli_argv, spawn, tail, trainer_argv
 from pipeline.config import save_config
 from pipeline.errors import RunError
+from pipeline.progress import Progress, progress_line, progress_table
 from pipeline.rundir import evaluate_folder, prepare_model, read_run_info, write_run_info
 from workers.weights import WeightStore
 
@@ -39,6 +43,38 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asyncgrpo.run")
 STOP_GRACE_S = 60.0
+MAX_BACKOFF_S = 30.0
+Role = Literal["trainer", "generator", "compactor"]
+
+
+class Daemon(Protocol):
+    """The supervisor's handle of one daemon, wherever it runs (a local `Child`, a Ray actor's)."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    restarts: int
+    next_start: float       # when a crashed daemon is due to restart (0.0: not waiting)
+    exits: list[int]        # exit codes of its crashes, in order
+
+    def start(self) -> None: ...
+    def poll(self) -> int | None: ...          # the exit code once it has exited, else None
+    def terminate(self) -> None: ...           # SIGTERM: generators flush, the trainer checkpoints
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None) -> bool: ...   # True once it has exited (or never started)
+
+
+class Launcher(Protocol):
+    """Where the daemons run: makes each daemon's handle and owns what it set up to run them."""
+
+    name: str
+    trainer_ranks: int                   # trainer processes (torchrun when > 1)
+    max_trainer_restarts: int | None     # 0: a crashed trainer stops the run
+    resume_args: str                     # what `asyncgrpo run --resume --run DIR` needs besides
+
+    def open(self, echo) -> None: ...
+    def daemon(self, role: Role, index: int, name: str, argv: list[str], log_path: Path) -> Daemon: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -66,30 +102,64 @@ class Child:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
 
+    def wait(self, timeout: float | None) -> bool:
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+
+class LocalLauncher:
+    """The daemons as subprocesses of this process; with run.pin_cores, the trainer on core 0 and the
+    generators on the others (the compactor shares the last generator core)."""
+
+    name = "local"
+    trainer_ranks = 1
+    max_trainer_restarts = 0
+    resume_args = ""
+
+    def __init__(self, cfg: Config):
+        self.n_cores = os.cpu_count() or 1
+        self.pin = cfg.run.pin_cores and self.n_cores >= 2
+
+    def open(self, echo) -> None:
+        pass
+
+    def daemon(self, role: Role, index: int, name: str, argv: list[str], log_path: Path) -> Child:
+        cores = None
+        if self.pin:
+            cores = {"trainer": [0], "generator": [1 + index % (self.n_cores - 1)],
+                     "compactor": [self.n_cores - 1]}[role]
+        return Child(name, argv, log_path, cores=cores)
+
+    def close(self) -> None:
+        pass
+
 
 class Supervisor:
     """Starts, watches and stops the trainer, the generators and the compactor of one run directory."""
 
-    def __init__(self, run_dir: Path, cfg: Config, *, resume: bool):
+    def __init__(self, run_dir: Path, cfg: Config, *, resume: bool, launcher: Launcher | None = None):
         self.run, self.cfg = run_dir, cfg
-        n_cores = os.cpu_count() or 1
-        pin = cfg.run.pin_cores and n_cores >= 2
-        train_args = ["train", "--run", str(run_dir)] + (["--resume"] if resume else [])
-        self.trainer = Child("trainer", cli_argv(*train_args), run_dir / "logs" / "trainer.log",
-                             cores=[0] if pin else None)
+        self.launcher = launcher or LocalLauncher(cfg)
+        logs, make = run_dir / "logs", self.launcher.daemon
+        self.trainer = make("trainer", 0, "trainer",
+                            trainer_argv(str(run_dir), resume=resume, ranks=self.launcher.trainer_ranks),
+                            logs / "trainer.log")
         self.generators = [
-            Child(f"generator-{i}", cli_argv("generate", "--run", str(run_dir), "--index", str(i)),
-                  run_dir / "logs" / f"generator-{i}.log",
-                  cores=[1 + i % (n_cores - 1)] if pin else None)
+            make("generator", i, f"generator-{i}", cli_argv("generate", "--run", str(run_dir), "--index", str(i)),
+                 logs / f"generator-{i}.log")
             for i in range(cfg.run.num_generators)]
-        # Restarted like a generator when it crashes; with pinning it shares the last generator core.
+        # Restarted like a generator when it crashes.
         self.helpers = [] if cfg.compactor.every_s is None else [
-            Child("compactor", cli_argv("compactor", "--run", str(run_dir)), run_dir / "logs" / "compactor.log",
-                  cores=[n_cores - 1] if pin else None)]
+            make("compactor", 0, "compactor", cli_argv("compactor", "--run", str(run_dir)), logs / "compactor.log")]
         self.stopping = False
         self.failure: str | None = None
 
-    def children(self) -> list[Child]:
+    def children(self) -> list[Daemon]:
         return [self.trainer, *self.generators, *self.helpers]
 
     def start(self) -> None:
@@ -97,144 +167,70 @@ class Supervisor:
             c.start()
 
     def check(self) -> bool:
-        """Restart a crashed generator or compactor; False when the run is over (trainer exited or gave up)."""
+        """Restart a crashed daemon when due; False when the run is over (trainer finished, or gave up)."""
         code = self.trainer.poll()
-        if code is not None:
-            if code != 0:
-                self.failure = (f"the trainer crashed (exit code {code}); its log ends with:\n"
-                                f"{tail(self.trainer.log_path)}\n"
-                                f"Continue the run with: asyncgrpo run --resume --run {self.run}")
+        if code == 0:
+            return False
+        if code is not None and self.launcher.max_trainer_restarts == 0:
+            self.failure = (f"the trainer crashed (exit code {code}); its log ends with:\n"
+                            f"{tail(self.trainer.log_path)}\n"
+                            f"Continue the run with: asyncgrpo run --resume --run {self.run}{self.launcher.resume_args}")
             return False
         now = time.time()
-        for g in [*self.generators, *self.helpers]:
-            code = g.poll()
-            if code is None or g.next_start > now:
-                continue
-            if g.next_start == 0.0:  # just noticed the exit
-                g.exits.append(code)
-                limit = self.cfg.run.max_generator_restarts
-                if limit is not None and g.restarts >= limit:
-                    self.failure = (f"{g.name} crashed {g.restarts + 1} times (limit "
-                                    f"run.max_generator_restarts = {limit}); see {g.log_path}")
-                    return False
-                wait = min(self.cfg.run.restart_backoff_s * 2 ** g.restarts, 30.0)
-                log.warning("%s exited with code %s; restarting in %.1fs", g.name, code, wait)
-                g.next_start = now + wait
-                continue
-            g.restarts += 1
-            g.next_start = 0.0
-            g.start()
+        limits = [(self.trainer, self.launcher.max_trainer_restarts, f"{self.launcher.name}.max_trainer_restarts")]
+        limits += [(d, self.cfg.run.max_generator_restarts, "run.max_generator_restarts")
+                   for d in [*self.generators, *self.helpers]]
+        return all(self._restart_when_due(d, limit, key, now) for d, limit, key in limits)
+
+    def _restart_when_due(self, d: Daemon, limit: int | None, key: str, now: float) -> bool:
+        """Notice a crash and schedule its restart (doubling backoff), or restart it when due; False: gave up."""
+        code = d.poll()
+        if code is None or d.next_start > now:
+            return True
+        if d.next_start == 0.0:  # just noticed the exit
+            d.exits.append(code)
+            if limit is not None and d.restarts >= limit:
+                self.failure = f"{d.name} crashed {d.restarts + 1} times (limit {key} = {limit}); see {d.log_path}"
+                if d is self.trainer:
+                    self.failure += (f"; its log ends with:\n{tail(d.log_path)}\nContinue the run with: "
+                                     f"asyncgrpo run --resume --run {self.run}{self.launcher.resume_args}")
+                return False
+            wait = min(self.cfg.run.restart_backoff_s * 2 ** d.restarts, MAX_BACKOFF_S)
+            log.warning("%s exited with code %s; restarting in %.1fs", d.name, code, wait)
+            d.next_start = now + wait
+            return True
+        d.restarts += 1
+        d.next_start = 0.0
+        if d is self.trainer:   # from its newest checkpoint: exactly, nothing trained twice or skipped
+            d.argv = trainer_argv(str(self.run), resume=True, ranks=self.launcher.trainer_ranks)
+        d.start()
         return True
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM to every child (generators flush, the trainer checkpoints), then wait; kill stragglers."""
+        """SIGTERM to every daemon (generators flush, the trainer checkpoints), then wait; kill stragglers."""
         self.stopping = True
         for c in self.children():
             c.terminate()
         deadline = time.time() + grace_s
         for c in self.children():
-            if c.proc is None:
-                continue
-            try:
-                c.proc.wait(timeout=max(deadline - time.time(), 0.1))
-            except subprocess.TimeoutExpired:
+            if not c.wait(max(deadline - time.time(), 0.1)):
                 log.warning("%s did not stop within %.0fs; killing it", c.name, grace_s)
                 c.kill()
-                c.proc.wait()
+                c.wait(None)
 
 
-class Progress:
-    """What the live display shows, read from the run's files (metrics shards, buffer index)."""
-
-    def __init__(self, run_dir: Path, cfg: Config):
-        self.run, self.cfg = run_dir, cfg
-        self.index = None
-        self.seen: dict[str, dict] = {}
-        self.started = time.time()
-
-    def _metrics_rows(self) -> list[dict]:
-        """The newest row of each live metrics file (files the compactor merged away are forgotten)."""
-        import pyarrow.parquet as pq
-
-        mdir = self.run / "metrics"
-        if mdir.is_dir():
-            live = run_file_set(mdir, "metrics").live_names()
-            for name in live:
-                if name not in self.seen:
-                    try:
-                        table = pq.read_table(mdir / name)
-                    except Exception:  # a shard being replaced; read it next time
-                        continue
-                    rows = table.slice(max(table.num_rows - 1, 0)).to_pylist()
-                    self.seen[name] = {"last": rows[-1] if rows else {},
-                                       "wait": _column_sum(table, "time/wait_s"),
-                                       "step_time": _column_sum(table, "time/step_s")}
-            for name in set(self.seen) - set(live):
-                del self.seen[name]
-        return [r for r in self.seen.values() if r["last"]]
-
-    def snapshot(self) -> dict:
-        files = self._metrics_rows()
-        last = max((f["last"] for f in files), key=lambda r: r.get("step", 0)) if files else {}
-        version = int(last.get("version", 0) or 0)
-        counts = {}
-        if buffer.BufferDir.is_buffer(self.run / "buffer"):
-            if self.index is None:
-                self.index = buffer.GroupIndex(self.run / "buffer", quarantine=False, retire=True)
-            self.index.refresh()
-            counts = self.index.counts(version, self.cfg.trainer.max_staleness, by_version=False)
-        wait = sum(f["wait"] for f in files)
-        step_time = sum(f["step_time"] for f in files)
-        return {
-            "elapsed_s": time.time() - self.started,
-            "step": int(last.get("step", 0) or 0), "version": version,
-            "reward": last.get("reward/mean"), "accuracy": last.get("batch/accuracy"),
-            "staleness": last.get("staleness/mean"),
-            "groups": counts.get("groups", 0), "eligible": counts.get("eligible", 0),
-            "filtered": counts.get("filtered", 0), "expired": counts.get("expired", 0),
-            "consumed": counts.get("consumed", 0),
-            "trainer_idle": wait / step_time if step_time > 0 else None,
-        }
+def run_pipeline(run_dir: Path, cfg: Config, *, resume: bool, echo=print, launcher: Launcher | None = None) -> dict:
+    """Run (or resume) the pipeline in `run_dir` (daemons where `launcher` puts them; default: here);
+    returns the summary that is also printed."""
+    launcher = launcher or LocalLauncher(cfg)
+    try:
+        launcher.open(echo)   # a cluster that cannot run the daemons fails here, before the model is prepared
+        return _run(run_dir, cfg, resume, echo, launcher)
+    finally:
+        launcher.close()
 
 
-def _column_sum(table, name: str) -> float:
-    """Sum of a metrics column (0 where absent or null)."""
-    if name not in table.column_names:
-        return 0.0
-    import pyarrow.compute as pc
-
-    return float(pc.sum(table.column(name)).as_py() or 0.0)
-
-
-def _fmt(v, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def progress_line(s: dict) -> str:
-    return (f"[{s['elapsed_s']:5.0f}s] step {s['step']} v{s['version']} | reward {_fmt(s['reward'])} "
-            f"acc {_fmt(s['accuracy'], '.2f')} staleness {_fmt(s['staleness'], '.2f')} | buffer "
-            f"{s['groups']} groups: {s['eligible']} waiting, {s['consumed']} consumed, {s['filtered']} "
-            f"filtered, {s['expired']} expired | trainer idle {_fmt(s['trainer_idle'], '.0%')}")
-
-
-def progress_table(s: dict, title: str):
-    from rich.table import Table
-
-    t = Table(title=title, show_header=False, box=None, pad_edge=False)
-    t.add_column(style="bold cyan")
-    t.add_column()
-    for k, v in (("elapsed", f"{s['elapsed_s']:.0f} s"), ("trainer step / version", f"{s['step']} / v{s['version']}"),
-                 ("batch reward / accuracy", f"{_fmt(s['reward'])} / {_fmt(s['accuracy'], '.2f')}"),
-                 ("mean staleness trained on", _fmt(s["staleness"], ".2f")),
-                 ("buffer groups", f"{s['groups']} ({s['eligible']} waiting, {s['consumed']} consumed)"),
-                 ("filtered / expired", f"{s['filtered']} / {s['expired']}"),
-                 ("trainer idle share", _fmt(s["trainer_idle"], ".0%"))):
-        t.add_row(k, v)
-    return t
-
-
-def run_pipeline(run_dir: Path, cfg: Config, *, resume: bool, echo=print) -> dict:
-    """Run (or resume) the pipeline in `run_dir`; returns the summary that is also printed."""
+def _run(run_dir: Path, cfg: Config, resume: bool, echo, launcher: Launcher) -> dict:
     info = read_run_info(run_dir)
     if not resume or "initial_model" not in info:
         model = prepare_model(cfg, echo)  # a missing model folder stops here, before anything is made
@@ -244,7 +240,7 @@ def run_pipeline(run_dir: Path, cfg: Config, *, resume: bool, echo=print) -> dic
         info = {"initial_model": str(model.resolve()), "eval_before": evaluate_folder(cfg, model)}
         write_run_info(run_dir, info)
     echo(f"accuracy before: {info['eval_before']:.1%}")
-    sup = Supervisor(run_dir, cfg, resume=resume)
+    sup = Supervisor(run_dir, cfg, resume=resume, launcher=launcher)
     stop_reason = {"why": None}
 
     def on_signal(signum, _frame):
@@ -267,7 +263,9 @@ def run_pipeline(run_dir: Path, cfg: Config, *, resume: bool, echo=print) -> dic
         raise RunError(sup.failure)
     summary = finish(run_dir, cfg, info, progress.snapshot(), echo)
     summary["stopped_by"] = stop_reason["why"] or "trainer finished"
+    summary["launcher"] = launcher.name
     summary["generator_restarts"] = sum(g.restarts for g in sup.generators)
+    summary["trainer_restarts"] = sup.trainer.restarts
     write_run_info(run_dir, {**info, "summary": summary})
     return summary
 

@@ -20,9 +20,9 @@ from buffer import BufferSQL
 from conftest import CACHE, REPO
 
 
-def start_run(run: Path, *sets: str) -> subprocess.Popen:
+def start_run(run: Path, *sets: str, options: tuple[str, ...] = ()) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    args = [sys.executable, "-m", "pipeline", "run", "--run", str(run), "--set", f"model.cache_dir={CACHE}"]
+    args = [sys.executable, "-m", "pipeline", "run", *options, "--run", str(run), "--set", f"model.cache_dir={CACHE}"]
     for s in sets:
         args += ["--set", s]
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -19,6 +19,7 @@ import workers.trainer
 from pipeline.commands.options import CONFIG_ARG, SET_OPT, run_config, setup_logging
 from pipeline.config import load_config, load_run_config, with_overrides
 from pipeline.errors import UserError, user_errors
+from pipeline.ray_launcher import RayLauncher
 from pipeline.run import run_pipeline
 from pipeline.rundir import evaluate_folder, prepare_model, read_run_info
 from workers.compactor import run_compactor
@@ -36,24 +37,43 @@ from workers.weights import WeightStore
 @SET_OPT
 @click.option("--resume", is_flag=True, help="Continue the run in --run from its checkpoint and config.")
 @click.option("--force", is_flag=True, help="Delete --run first if it holds an earlier run.")
+@click.option("--launcher", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where the daemons run: subprocesses of this command, or Ray actors with the [ray] "
+              "section's resources (needs pip install -e '.[ray]'; the run directory must then be on "
+              "storage every node sees, such as a shared filesystem, at the same path).")
+@click.option("--address", envvar="RAY_ADDRESS", default=None, metavar="ADDR",
+              help="With --launcher ray: the Ray cluster to join (auto, HOST:6379, ray://HOST:10001; default "
+              "$RAY_ADDRESS). Without it a local Ray instance is started and stopped with the run.")
 @user_errors
-def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bool, force: bool) -> None:
+def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bool, force: bool,
+        launcher: str, address: str | None) -> None:
     """Run the whole pipeline: 1 trainer and N generators, supervised, with a live display.
 
     CONFIG is a TOML file of overrides (default: the built-in defaults, which
     train the embedded tiny model on the arithmetic task on the CPU). Prints
     greedy accuracy on held-out prompts before and after, the run directory
     and SQL queries to try. A crashed generator is restarted; if the trainer
-    crashes the run stops and `--resume` continues it. Ctrl-C stops
-    everything cleanly.
+    crashes the run stops and `--resume` continues it (with --launcher ray it
+    is restarted with --resume, up to ray.max_trainer_restarts times). Ctrl-C
+    stops everything cleanly.
+
+    With --launcher ray the daemons are Ray actors, on this machine or on the
+    cluster at --address; they share only files, so the run directory (and
+    the model folder and task files) must be on a shared filesystem that every
+    node mounts at the same path. The display and summary are the same.
 
     \b
     Examples:
       asyncgrpo run                                   # the default job (what `make run` runs)
       asyncgrpo run configs/default.toml --run runs/a --set trainer.max_staleness=4
       asyncgrpo run --resume --run runs/a
+      asyncgrpo run --launcher ray --set run.num_generators=2 --set ray.generator_cpus=0.5
+      asyncgrpo run configs/gpu_vllm.toml --run /shared/runs/b --launcher ray --address auto
     """
     setup_logging()
+    if launcher == "local" and address is not None and \
+            click.get_current_context().get_parameter_source("address") == click.core.ParameterSource.COMMANDLINE:
+        raise UserError("--address is for --launcher ray; add --launcher ray, or drop --address")
     path = Path(run_dir)
     if resume:
         if config is not None:
@@ -63,12 +83,16 @@ def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bo
         cfg = with_overrides(cfg, list(overrides)) if overrides else cfg
     else:
         cfg = load_config(config, overrides)
-        if path.exists() and any(path.iterdir()):
-            if not force:
-                raise UserError(f"run directory {run_dir!r} already holds a run; pass --resume to "
-                                "continue it, --force to start over, or choose another --run")
-            shutil.rmtree(path)
-    run_pipeline(path, cfg, resume=resume, echo=click.echo)
+        if path.exists() and any(path.iterdir()) and not force:
+            raise UserError(f"run directory {run_dir!r} already holds a run; pass --resume to "
+                            "continue it, --force to start over, or choose another --run")
+    where = None
+    if launcher == "ray":
+        where = RayLauncher(cfg, address=address)   # Ray missing: stopped here, before --force deletes anything
+        path = path.absolute()                        # the daemons may start in another directory
+    if not resume and path.exists() and any(path.iterdir()):
+        shutil.rmtree(path)
+    run_pipeline(path, cfg, resume=resume, echo=click.echo, launcher=where)
 
 
 @click.command()
