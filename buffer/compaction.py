@@ -54,7 +54,6 @@ from buffer.schema import parquet_write_options
 
 LEDGER_TARGET_ROWS = 262_144   # ledger records per merged ledger file (one per group pulled)
 C_ROW_GROUP_GROUPS = 256       # groups per row group of a merged rollout shard (at least; whole source row groups)
-LEVEL_FANOUT = 4               # c-files of one level merged into one of the next (compactor.fanout)
 LEVEL_MAX_GROUPS = 65_536      # no level merge writes a file of more groups (compactor.max_groups)
 # Row groups of a level merge (old data, rarely pulled) hold at least this many bytes (Arrow, uncompressed)
 # as well: DuckDB pays per row group, and an aggregate over row groups of 2,048 rows took twice as long
@@ -114,15 +113,15 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
             elif groups < target_groups:
                 candidates.append((p, groups))
         _GROUP_COUNTS[d.root] = seen   # bounded: only the live (sealed) names stay
-        batches = [(b, C_ROW_GROUP_GROUPS, 0) for b in _batches(candidates, target_groups) if len(b) >= min_files]
+        batches = [(b, 0) for b in _batches(candidates, target_groups) if len(b) >= min_files]
         if fanout:
-            batches += [(b, C_ROW_GROUP_GROUPS, LEVEL_ROW_GROUP_BYTES)
-                        for b in _levels(merged, max(target_groups // 2, 1), fanout, max_groups)]
+            batches += [(b, LEVEL_ROW_GROUP_BYTES) for b in _levels(merged, max(target_groups // 2, 1), fanout,
+                                                                     max_groups)]
         generation = fs.read_manifest().generation + 1
         new, sources = [], []
-        for i, (batch, rg_groups, rg_bytes) in enumerate(batches):
+        for i, (batch, rg_bytes) in enumerate(batches):
             out_name = f"c-{generation:06d}-{i:04d}.parquet"
-            groups = _merge_shards(d, batch, out_name, rg_groups=rg_groups, rg_bytes=rg_bytes)
+            groups = _merge_shards(d, batch, out_name, rg_bytes=rg_bytes)
             if groups is None:
                 continue
             new.append(out_name)
@@ -246,12 +245,11 @@ def _group_count(meta: pq.FileMetaData) -> int:
     return meta.num_rows  # an upper bound; fine for choosing what is small
 
 
-def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_groups: int = C_ROW_GROUP_GROUPS,
-                  rg_bytes: int = 0) -> int | None:
+def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: int = 0) -> int | None:
     """Write the shards in `batch` as one file (temp + rename); its group count, or None.
 
     The sources' row groups (each holding whole groups) are concatenated into
-    row groups of at least `rg_groups` groups and `rg_bytes` bytes: a c-file of many small
+    row groups of at least C_ROW_GROUP_GROUPS groups and `rg_bytes` bytes: a c-file of many small
     flush shards would otherwise carry hundreds of row groups, and a footer of
     hundreds of KB that every SQL query and `status` parses.
     """
@@ -289,7 +287,7 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_groups: 
                     pending_groups += n
                     pending_bytes += t.nbytes
                     groups += n
-                    if pending_groups >= rg_groups and pending_bytes >= rg_bytes:
+                    if pending_groups >= C_ROW_GROUP_GROUPS and pending_bytes >= rg_bytes:
                         write_pending()
             if pending:
                 write_pending()
