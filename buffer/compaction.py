@@ -25,7 +25,8 @@ Each pass, under the set's lock:
    groups it needs); the c-file is invisible until step 3; its footer names
    its sources and their rows;
 3. replaces the manifest: the c-files become live and their sources replaced,
-   in one atomic rename;
+   in one atomic rename (rollout shards: once for the base merges, then once
+   for the level merges);
 4. deletes files replaced more than `grace_s` ago, then drops them from the
    manifest. A reader that listed a file before step 3 can still read it for
    `grace_s` seconds.
@@ -113,24 +114,25 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
             elif groups < target_groups:
                 candidates.append((p, groups))
         _GROUP_COUNTS[d.root] = seen   # bounded: only the live (sealed) names stay
-        batches = [(b, 0) for b in _batches(candidates, target_groups) if len(b) >= min_files]
-        if fanout:
-            batches += [(b, LEVEL_ROW_GROUP_BYTES) for b in _levels(merged, max(target_groups // 2, 1), fanout,
-                                                                     max_groups)]
-        generation = fs.read_manifest().generation + 1
-        new, sources = [], []
-        for i, (batch, rg_bytes) in enumerate(batches):
-            out_name = f"c-{generation:06d}-{i:04d}.parquet"
-            groups = _merge_shards(d, batch, out_name, rg_bytes=rg_bytes)
-            if groups is None:
-                continue
-            new.append(out_name)
-            sources += [p.name for p in batch]
-            report.merged_files += len(batch)
-            report.written_files += 1
-            report.groups += groups
-        if new:
-            fs.swap(fs.read_manifest(), new, sources, now)
+        base = [b for b in _batches(candidates, target_groups) if len(b) >= min_files]
+        levels = _levels(merged, max(target_groups // 2, 1), fanout, max_groups) if fanout else []
+        # Two swaps: the young shards' merges go live before the (longer) level merges are written, so
+        # the live file count does not wait on them.
+        for batches, rg_bytes in ((base, 0), (levels, LEVEL_ROW_GROUP_BYTES)):
+            generation = fs.read_manifest().generation + 1
+            new, sources = [], []
+            for i, batch in enumerate(batches):
+                out_name = f"c-{generation:06d}-{i:04d}.parquet"
+                groups = _merge_shards(d, batch, out_name, rg_bytes=rg_bytes)
+                if groups is None:
+                    continue
+                new.append(out_name)
+                sources += [p.name for p in batch]
+                report.merged_files += len(batch)
+                report.written_files += 1
+                report.groups += groups
+            if new:
+                fs.swap(fs.read_manifest(), new, sources, now)
         report.deleted_files = fs.delete_expired(grace_s, now)
     return report
 

@@ -129,3 +129,30 @@ def test_a_summary_that_does_not_add_up_is_not_trusted(buf):
 
     compact_small(BufferDir(buf).ledger_set, target_rows=1000, summary=wrong, **NOW)
     assert buffer_status(buf)["consumed"] == 50
+
+
+def test_base_merges_go_live_before_the_level_merges_are_written(buf, monkeypatch):
+    """One pass swaps its base merges in first: young shards do not stay live while a level merge runs."""
+    import buffer.compaction as compaction
+    from buffer import ShardWriter
+    from conftest import make_group
+
+    _fill(buf, 160, flush_groups=10)
+    compact(buf, **LEVELS)                                     # 8 c-files of 20: level merges next pass
+    with ShardWriter(buf, flush_groups=10, flush_seconds=None) as w:
+        for i in range(20):                                    # 2 young shards: a base merge next pass
+            w.append(make_group(0, [1, 0, 0, 1], prompt_id=f"new{i}", seed=1000 + i, correct=[1, 0, 0, 1]))
+    young = {n for n in BufferDir(buf).live_shard_names() if not n.startswith("c-")}
+    assert len(young) == 2
+    seen = []
+    merge = compaction._merge_shards
+
+    def spy(d, batch, out_name, *, rg_bytes=0):
+        if rg_bytes:                                           # a level merge: what is live while it is written
+            seen.append(set(BufferDir(buf).live_shard_names()))
+        return merge(d, batch, out_name, rg_bytes=rg_bytes)
+
+    monkeypatch.setattr(compaction, "_merge_shards", spy)
+    compact(buf, **LEVELS)
+    assert len(seen) == 4 and all(not (young & live) for live in seen)
+    assert sorted(_live(buf).values()) == [20] + [40] * 4
