@@ -191,7 +191,7 @@ def _report(run: Path, out: Path, cfg, mapping: dict, old: list[float], new: lis
     states = (TRAINABLE, *buffer.FILTER_REASONS)
     return {
         "source": str(run), "out": str(out), "groups": len(before), "completions": len(old),
-        "reward": to_dict(cfg.reward),
+        "reward_before": to_dict(load_run_config(run).reward), "reward": to_dict(cfg.reward),
         "states_before": {s: before.count(s) for s in states},
         "states_after": {s: after.count(s) for s in states},
         "filtered_to_trainable": sum(b != TRAINABLE and a == TRAINABLE for b, a in zip(before, after)),

@@ -239,7 +239,9 @@ def test_rescored_run_takes_sql_and_status(inverted):
     new, _ = inverted
     r = run_cli("status", str(new), "--json")
     assert r.returncode == 0, r.stderr
-    assert json.dumps(json.loads(r.stdout)).count('"filtered": 6') >= 1
+    status = json.loads(r.stdout)
+    assert (status["groups"], status["eligible"], status["filtered"], status["completions"]) == (18, 12, 6, 72)
+    assert status["filtered_by_reason"] == {"all_correct": 3, "all_wrong": 3, "all_equal": 0}
     r = run_cli("sql", str(new), "--format", "csv",
                 "SELECT filter_reason, count(*) n FROM groups GROUP BY 1 ORDER BY 1")
     assert r.returncode == 0, r.stderr
