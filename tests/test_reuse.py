@@ -308,3 +308,8 @@ def test_replay_trains_on_the_rescored_run(inverted, tmp_path):
     ours = {x["group_id"] for x in q(new, "SELECT group_id FROM groups")}
     assert len(consumed) == 2 * 4 and all(x["group_id"] in ours and not x["filtered"] for x in consumed)
     assert q(cell, "SELECT count(*) n FROM metrics") == [{"n": 2}]
+    # Each step's mean reward is that of the new rewards of the groups it pulled.
+    steps = q(cell, 'SELECT m.step, m."reward/mean" logged, (SELECT avg(r.reward) FROM rollouts r JOIN consumed c '
+                    'USING (group_id) WHERE c.trainer_step = m.step) stored FROM metrics m ORDER BY 1')
+    assert [x["step"] for x in steps] == [1, 2]
+    assert all(x["logged"] == pytest.approx(x["stored"], rel=1e-6) for x in steps), steps
