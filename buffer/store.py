@@ -1,0 +1,428 @@
+"""Where a run's files live: a local folder or an object store (s3://, gs://, az://), behind the
+few operations the buffer needs. The foundation of runs on object storage (issue 18).
+
+Every file the pipeline writes is already write-once and published whole; what a local run
+gets from POSIX beyond that (a rename that replaces, a lock, a consistent listing) is mapped
+here onto what object stores guarantee:
+
+    put_new(name, data)   create-if-absent, whole: True if this call created it, False if it
+                          existed. Local: a temp file, fsynced, then os.link (which fails if the
+                          name exists). Object store: one PUT with `If-None-Match: *`.
+    publish(name, data)   a new, unique name appears whole (the writer owns the name). Local:
+                          temp + rename. Object store: one PUT (readers never see a partial one).
+    read, list, delete    as they say; S3 listings are strongly consistent (since 2020).
+
+On top of put_new, `Numbered` keeps a small state (a manifest, LATEST, the trainer's lease) as
+immutable numbered objects where the newest wins: to change it, a writer reads the newest,
+number n, and creates n + 1 with put_new; of two writers racing, exactly one creates n + 1
+and the other reads again. Nothing is ever overwritten, so no reader sees a half-written state,
+and no lock server is needed. `Lease` builds the single-holder rule (one trainer per run) on it.
+
+Credentials and endpoints come from the standard environment (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_PROFILE, ...), never from our config files. Transient failures
+(connection refused, 5xx, throttling) are retried with backoff for up to `retry_s` seconds;
+`check()` turns a missing bucket, rejected credentials or an unreachable endpoint into one
+StoreError that says which.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from buffer.atomic import BufferError, StorageError, fsync_dir, tmp_name
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "abfs")
+DEFAULT_RETRY_S = 60.0
+
+
+class StoreError(BufferError):
+    """A store a user must fix (no bucket, bad credentials, unreachable endpoint); names the URI."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str       # relative to the listed folder
+    size: int
+
+
+def is_remote(uri: str | os.PathLike) -> bool:
+    return isinstance(uri, str) and uri.split("://", 1)[0] in REMOTE_SCHEMES and "://" in uri
+
+
+def open_store(uri: str | os.PathLike, *, retry_s: float = DEFAULT_RETRY_S) -> "Store":
+    """A Store for a local folder or an s3:// (gs://, az://) URI. Nothing is checked or created yet."""
+    if is_remote(uri):
+        return FsspecStore(str(uri), retry_s=retry_s)
+    return LocalStore(Path(uri))
+
+
+class Store:
+    """Write-once objects under one root; names are '/'-separated, relative to the root."""
+
+    uri: str
+
+    def read(self, name: str) -> bytes:
+        raise NotImplementedError
+
+    def list(self, folder: str = "") -> list[Entry]:
+        """The objects directly in `folder` (not in its subfolders), sorted by name; [] if none."""
+        raise NotImplementedError
+
+    def put_new(self, name: str, data: bytes) -> bool:
+        raise NotImplementedError
+
+    def publish(self, name: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def delete(self, name: str) -> None:
+        """Remove `name`; a missing one is fine."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise StoreError unless the root can be listed and written (run before starting daemons)."""
+        raise NotImplementedError
+
+    def url(self, name: str) -> str:
+        """What DuckDB and pyarrow are given for `name` (with `arrow_filesystem()` / `register()`)."""
+        raise NotImplementedError
+
+    def arrow_filesystem(self):
+        """A pyarrow filesystem that reads `url(name)`."""
+        raise NotImplementedError
+
+    def register(self, con) -> None:
+        """Let DuckDB connection `con` read `url(name)`: no extension is downloaded."""
+
+
+class LocalStore(Store):
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.uri = str(self.root)
+
+    def _path(self, name: str) -> Path:
+        return self.root / name
+
+    def read(self, name: str) -> bytes:
+        return self._path(name).read_bytes()
+
+    def list(self, folder: str = "") -> list[Entry]:
+        try:
+            with os.scandir(self._path(folder)) as it:
+                out = [Entry(e.name, e.stat().st_size) for e in it if e.is_file() and not e.name.endswith(".tmp")]
+        except FileNotFoundError:
+            return []
+        return sorted(out, key=lambda e: e.name)
+
+    def _tmp_write(self, final: Path, data: bytes) -> Path:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / tmp_name(final.name)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(final, e) from e
+        return tmp
+
+    def put_new(self, name: str, data: bytes) -> bool:
+        final = self._path(name)
+        tmp = self._tmp_write(final, data)
+        try:
+            os.link(tmp, final)          # atomic, and fails if `final` exists: create-if-absent
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise StorageError(final, e) from e
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(final.parent)
+        return True
+
+    def publish(self, name: str, data: bytes) -> None:
+        final = self._path(name)
+        tmp = self._tmp_write(final, data)
+        try:
+            os.replace(tmp, final)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(final, e) from e
+
+    def delete(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+
+    def check(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"{self.root} is not a folder")
+
+    def url(self, name: str) -> str:
+        return str(self._path(name))
+
+    def arrow_filesystem(self):
+        import pyarrow.fs as pafs
+        return pafs.LocalFileSystem()
+
+
+def _transient(e: BaseException) -> bool:
+    """Whether `e` may pass if tried again: the endpoint down or slow, throttling, a 5xx."""
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    name = type(e).__name__
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ClientConnectorError",
+                "ServerDisconnectedError", "ClientOSError", "ConnectionClosedError", "ServerTimeoutError"):
+        return True
+    text = str(e)
+    if any(s in text for s in ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500 ", "RequestTimeout")):
+        return True
+    if isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE):
+        return True
+    cause = e.__cause__ or e.__context__
+    return cause is not None and cause is not e and _transient(cause)
+
+
+class FsspecStore(Store):
+    """An object store through fsspec (s3fs for s3://). Writes are single PUTs of whole objects."""
+
+    def __init__(self, uri: str, *, retry_s: float = DEFAULT_RETRY_S):
+        import fsspec
+
+        self.uri = uri.rstrip("/")
+        self.scheme, rest = self.uri.split("://", 1)
+        self.root = rest
+        self.bucket = rest.split("/", 1)[0]
+        self.retry_s = retry_s
+        try:
+            self.fs = fsspec.filesystem(self.scheme, skip_instance_cache=True)
+        except ImportError as e:
+            extra = "s3" if self.scheme == "s3" else "the fsspec package for " + self.scheme
+            raise StoreError(f"{self.uri}: cannot use {self.scheme}:// ({e}); install it: pip install -e '.[{extra}]'") from e
+
+    def _key(self, name: str) -> str:
+        return f"{self.root}/{name}" if name else self.root
+
+    def endpoint(self) -> str:
+        return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        """fn(), tried again with backoff (0.2 s doubling to 5 s) while it fails transiently, up to retry_s."""
+        deadline, delay, warned = time.monotonic() + self.retry_s, 0.2, False
+        while True:
+            try:
+                return fn()
+            except Exception as e:
+                if not _transient(e) or time.monotonic() + delay > deadline:
+                    raise
+                if not warned:
+                    log.warning("%s %s/%s failed (%s: %s); retrying for up to %.0f s", what, self.uri, "",
+                                type(e).__name__, e, self.retry_s)
+                    warned = True
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 5.0)
+
+    def read(self, name: str) -> bytes:
+        return self._retry("read", lambda: self.fs.cat_file(self._key(name)))
+
+    def list(self, folder: str = "") -> list[Entry]:
+        key = self._key(folder)
+
+        def ls():
+            self.fs.invalidate_cache(key)
+            try:
+                infos = self.fs.ls(key, detail=True, refresh=True)
+            except FileNotFoundError as e:
+                if "bucket" in str(e).lower():
+                    raise
+                return []
+            return [Entry(i["name"].rsplit("/", 1)[-1], int(i.get("size") or 0))
+                    for i in infos if i.get("type") == "file"]
+
+        return sorted(self._retry("list", ls), key=lambda e: e.name)
+
+    def put_new(self, name: str, data: bytes) -> bool:
+        def put():
+            try:
+                self.fs.pipe_file(self._key(name), data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+        return self._retry("put", put)
+
+    def publish(self, name: str, data: bytes) -> None:
+        self._retry("put", lambda: self.fs.pipe_file(self._key(name), data))
+
+    def delete(self, name: str) -> None:
+        def rm():
+            try:
+                self.fs.rm_file(self._key(name))
+            except FileNotFoundError:
+                pass
+        self._retry("delete", rm)
+
+    def check(self) -> None:
+        probe = f".check-{uuid.uuid4().hex[:8]}"
+        try:
+            self.fs.ls(self.bucket, refresh=True)
+            self.fs.pipe_file(self._key(probe), b"", mode="create")
+            self.fs.rm_file(self._key(probe))
+        except Exception as e:
+            raise StoreError(self._explain(e)) from e
+
+    def _explain(self, e: Exception) -> str:
+        text = f"{type(e).__name__}: {e}"
+        low = text.lower()
+        if "bucket" in low and ("not exist" in low or "nosuchbucket" in low):
+            return f"{self.uri}: the bucket {self.bucket!r} does not exist at {self.endpoint()} ({e}); create it first"
+        if any(s in low for s in ("credential", "accessdenied", "access denied", "invalidaccesskeyid",
+                                   "signaturedoesnotmatch", "forbidden", "permission")) or isinstance(e, PermissionError):
+            return (f"{self.uri}: the credentials were rejected at {self.endpoint()} ({text}); set "
+                    f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE for this bucket")
+        if _transient(e) or "connect" in low or "endpoint" in low:
+            return (f"{self.uri}: cannot reach the endpoint {self.endpoint()} ({text}); check AWS_ENDPOINT_URL "
+                    f"and that the server is up")
+        return f"{self.uri}: {text}"
+
+    def url(self, name: str) -> str:
+        return f"{self.scheme}://{self._key(name)}"
+
+    def arrow_filesystem(self):
+        import pyarrow.fs as pafs
+        return pafs.PyFileSystem(pafs.FSSpecHandler(self.fs))
+
+    def register(self, con) -> None:
+        con.register_filesystem(self.fs)
+
+
+# -- immutable numbered objects: the compare-and-swap of object stores -------------------------
+
+class Conflict(BufferError):
+    """Another writer created the next number first; read again and retry."""
+
+
+class Numbered:
+    """A small JSON state kept as `folder/stem-<n>.json`, n = 1, 2, ...; the newest is the state.
+
+    `update(fn)` reads the newest (n, state), computes fn(state) and creates n + 1 with put_new;
+    if another writer created n + 1 first, it reads again and retries. The old numbers are
+    deleted after the new one exists (`keep` newest are kept for readers that listed a moment
+    ago). A reader lists, then reads the highest number; one deleted between the two is read
+    again from a fresh listing.
+    """
+
+    def __init__(self, store: Store, folder: str, stem: str, *, keep: int = 8):
+        self.store, self.folder, self.stem, self.keep = store, folder.strip("/"), stem, keep
+
+    def _name(self, n: int) -> str:
+        return f"{self.folder}/{self.stem}-{n:012d}.json"
+
+    def _numbers(self) -> list[int]:
+        out = []
+        for e in self.store.list(self.folder):
+            head, _, tail = e.name.removesuffix(".json").rpartition("-")
+            if head == self.stem and e.name.endswith(".json") and tail.isdigit():
+                out.append(int(tail))
+        return sorted(out)
+
+    def read(self) -> tuple[int, dict | None]:
+        """(n, state) of the newest; (0, None) when there is none."""
+        for _ in range(10):
+            numbers = self._numbers()
+            if not numbers:
+                return 0, None
+            try:
+                raw = self.store.read(self._name(numbers[-1]))
+            except FileNotFoundError:
+                continue    # pruned between the listing and the read: list again
+            try:
+                return numbers[-1], json.loads(raw)
+            except ValueError as e:
+                raise BufferError(f"unreadable {self.store.uri}/{self._name(numbers[-1])}: {e}") from e
+        raise BufferError(f"{self.store.uri}/{self.folder}: {self.stem} kept changing while being read")
+
+    def create(self, n: int, state: dict) -> bool:
+        """Make `state` number n; False if n exists (another writer was first)."""
+        ok = self.store.put_new(self._name(n), json.dumps(state, sort_keys=True).encode())
+        if ok and n > self.keep:
+            self.prune(n)
+        return ok
+
+    def update(self, fn: Callable[[dict | None], dict | None], *, attempts: int = 100) -> tuple[int, dict | None]:
+        """Apply fn to the newest state until this writer's n + 1 is the one created; (n, state) written.
+        fn returning None leaves the state as it is (nothing written)."""
+        for _ in range(attempts):
+            n, state = self.read()
+            new = fn(state)
+            if new is None:
+                return n, state
+            if self.create(n + 1, new):
+                return n + 1, new
+            time.sleep(random.random() * 0.05)
+        raise Conflict(f"{self.store.uri}/{self.folder}: {attempts} writers were first at {self.stem}; giving up")
+
+    def prune(self, newest: int) -> None:
+        for n in self._numbers():
+            if n <= newest - self.keep:
+                self.store.delete(self._name(n))
+
+
+class LeaseHeld(BufferError):
+    """Another process holds the lease; the message names it."""
+
+
+class Lease:
+    """One holder of a role at a time (the trainer of a run), on any store.
+
+    The lease is a Numbered state {holder, host, pid, epoch, expires}. `acquire` takes it when there is
+    none or the current one expired (its holder stopped renewing: killed), by creating the next number:
+    of two racing, one wins. `renew` extends it (the holder's own next number); a holder whose renew
+    finds someone else's newer lease has lost it and must stop (fencing: `LeaseHeld`).
+    """
+
+    def __init__(self, store: Store, folder: str, role: str, *, ttl_s: float = 30.0):
+        self.numbered = Numbered(store, folder, role)
+        self.role, self.ttl_s = role, ttl_s
+        self.holder = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.epoch: int | None = None
+
+    def _mine(self, now: float) -> dict:
+        return {"holder": self.holder, "host": os.uname().nodename, "pid": os.getpid(), "expires": now + self.ttl_s}
+
+    def acquire(self) -> None:
+        def take(state):
+            now = time.time()
+            if state is not None and state["holder"] != self.holder and state["expires"] > now:
+                raise LeaseHeld(f"{self.numbered.store.uri}: another {self.role} holds this run "
+                                f"(pid {state['pid']} on {state['host']}, lease valid for "
+                                f"{state['expires'] - now:.0f} s more); stop it first, or wait until its lease "
+                                f"expires if it was killed")
+            return self._mine(now)
+        self.epoch, _ = self.numbered.update(take)
+
+    def renew(self) -> None:
+        n, state = self.numbered.read()
+        if state is None or state["holder"] != self.holder:
+            raise LeaseHeld(f"{self.numbered.store.uri}: this {self.role} lost its lease to "
+                            f"{state and state['holder']}; stopping")
+        if not self.numbered.create(n + 1, self._mine(time.time())):
+            raise LeaseHeld(f"{self.numbered.store.uri}: this {self.role} lost its lease while renewing; stopping")
+        self.epoch = n + 1
+
+    def release(self) -> None:
+        def drop(state):
+            if state is None or state["holder"] != self.holder:
+                return None
+            return {**state, "expires": 0.0}
+        self.numbered.update(drop)
