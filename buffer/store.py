@@ -56,6 +56,7 @@ class StoreError(BufferError):
 class Entry:
     name: str       # relative to the listed folder
     size: int
+    mtime: float    # when it was written, by the store's clock (seconds since the epoch)
 
 
 def is_remote(uri: str | os.PathLike) -> bool:
@@ -119,9 +120,16 @@ class LocalStore(Store):
         return self._path(name).read_bytes()
 
     def list(self, folder: str = "") -> list[Entry]:
+        out = []
         try:
             with os.scandir(self._path(folder)) as it:
-                out = [Entry(e.name, e.stat().st_size) for e in it if e.is_file() and not e.name.endswith(".tmp")]
+                for e in it:
+                    try:
+                        if e.is_file() and not e.name.endswith(".tmp"):
+                            st = e.stat()
+                            out.append(Entry(e.name, st.st_size, st.st_mtime))
+                    except FileNotFoundError:
+                        pass        # deleted while listed
         except FileNotFoundError:
             return []
         return sorted(out, key=lambda e: e.name)
@@ -194,6 +202,11 @@ def _transient(e: BaseException) -> bool:
     return cause is not None and cause is not e and _transient(cause)
 
 
+def _mtime(info: dict) -> float:
+    t = info.get("LastModified") or info.get("mtime") or info.get("last_modified") or 0.0
+    return t.timestamp() if hasattr(t, "timestamp") else float(t)
+
+
 class FsspecStore(Store):
     """An object store through fsspec (s3fs for s3://). Writes are single PUTs of whole objects."""
 
@@ -205,8 +218,14 @@ class FsspecStore(Store):
         self.root = rest
         self.bucket = rest.split("/", 1)[0]
         self.retry_s = retry_s
+        # Few retries inside s3fs and botocore: `_retry` owns the backoff, so retry_s bounds the wait.
+        opts = ({"config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
+                                                  "retries": {"max_attempts": 2, "mode": "standard"}}}
+                if self.scheme == "s3" else {})
         try:
-            self.fs = fsspec.filesystem(self.scheme, skip_instance_cache=True)
+            self.fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **opts)
+            if self.scheme == "s3":
+                self.fs.retries = 2
         except ImportError as e:
             extra = "s3" if self.scheme == "s3" else "the fsspec package for " + self.scheme
             raise StoreError(f"{self.uri}: cannot use {self.scheme}:// ({e}); install it: pip install -e '.[{extra}]'") from e
@@ -247,7 +266,7 @@ class FsspecStore(Store):
                 if "bucket" in str(e).lower():
                     raise
                 return []
-            return [Entry(i["name"].rsplit("/", 1)[-1], int(i.get("size") or 0))
+            return [Entry(i["name"].rsplit("/", 1)[-1], int(i.get("size") or 0), _mtime(i))
                     for i in infos if i.get("type") == "file"]
 
         return sorted(self._retry("list", ls), key=lambda e: e.name)
@@ -316,24 +335,29 @@ class Numbered:
     """A small JSON state kept as `folder/stem-<n>.json`, n = 1, 2, ...; the newest is the state.
 
     `update(fn)` reads the newest (n, state), computes fn(state) and creates n + 1 with put_new;
-    if another writer created n + 1 first, it reads again and retries. The old numbers are
-    deleted after the new one exists (`keep` newest are kept for readers that listed a moment
-    ago). A reader lists, then reads the highest number; one deleted between the two is read
-    again from a fresh listing.
+    if another writer created n + 1 first, it reads again and retries. A reader lists, then reads
+    the highest number; one deleted in between is read again from a fresh listing.
+
+    Old numbers are deleted once `keep` newer ones exist and the newest is `grace_s` younger than
+    them (both times by the store's clock). A writer whose read is older than grace_s / 2 by the time
+    it would create n + 1 reads again, so it can never re-create a number already deleted (which
+    would go unseen: not the newest) and lose its update. The same assumption as the buffer's
+    compaction grace: no process pauses for grace_s / 2 between two of its own lines.
     """
 
-    def __init__(self, store: Store, folder: str, stem: str, *, keep: int = 8):
-        self.store, self.folder, self.stem, self.keep = store, folder.strip("/"), stem, keep
+    def __init__(self, store: Store, folder: str, stem: str, *, keep: int = 8, grace_s: float = 300.0):
+        self.store, self.folder, self.stem = store, folder.strip("/"), stem
+        self.keep, self.grace_s = keep, grace_s
 
     def _name(self, n: int) -> str:
         return f"{self.folder}/{self.stem}-{n:012d}.json"
 
-    def _numbers(self) -> list[int]:
+    def _numbers(self) -> list[tuple[int, float]]:
         out = []
         for e in self.store.list(self.folder):
             head, _, tail = e.name.removesuffix(".json").rpartition("-")
             if head == self.stem and e.name.endswith(".json") and tail.isdigit():
-                out.append(int(tail))
+                out.append((int(tail), e.mtime))
         return sorted(out)
 
     def read(self) -> tuple[int, dict | None]:
@@ -342,40 +366,50 @@ class Numbered:
             numbers = self._numbers()
             if not numbers:
                 return 0, None
+            n = numbers[-1][0]
             try:
-                raw = self.store.read(self._name(numbers[-1]))
+                raw = self.store.read(self._name(n))
             except FileNotFoundError:
                 continue    # pruned between the listing and the read: list again
             try:
-                return numbers[-1], json.loads(raw)
+                return n, json.loads(raw)
             except ValueError as e:
-                raise BufferError(f"unreadable {self.store.uri}/{self._name(numbers[-1])}: {e}") from e
+                raise BufferError(f"unreadable {self.store.uri}/{self._name(n)}: {e}") from e
         raise BufferError(f"{self.store.uri}/{self.folder}: {self.stem} kept changing while being read")
 
     def create(self, n: int, state: dict) -> bool:
         """Make `state` number n; False if n exists (another writer was first)."""
         ok = self.store.put_new(self._name(n), json.dumps(state, sort_keys=True).encode())
         if ok and n > self.keep:
-            self.prune(n)
+            self.prune()
         return ok
 
     def update(self, fn: Callable[[dict | None], dict | None], *, attempts: int = 100) -> tuple[int, dict | None]:
         """Apply fn to the newest state until this writer's n + 1 is the one created; (n, state) written.
         fn returning None leaves the state as it is (nothing written)."""
         for _ in range(attempts):
+            started = time.monotonic()
             n, state = self.read()
             new = fn(state)
             if new is None:
                 return n, state
+            if time.monotonic() - started > self.grace_s / 2:
+                continue        # read too long ago: n + 1 may be an old number already pruned
             if self.create(n + 1, new):
                 return n + 1, new
             time.sleep(random.random() * 0.05)
         raise Conflict(f"{self.store.uri}/{self.folder}: {attempts} writers were first at {self.stem}; giving up")
 
-    def prune(self, newest: int) -> None:
-        for n in self._numbers():
-            if n <= newest - self.keep:
-                self.store.delete(self._name(n))
+    def prune(self) -> int:
+        """Delete the numbers that `keep` newer ones and `grace_s` of age allow; how many."""
+        numbers = self._numbers()
+        if len(numbers) <= self.keep:
+            return 0
+        newest_n, newest_t = numbers[-1]
+        old = [n for n, t in numbers if n <= newest_n - self.keep and newest_t - t >= self.grace_s]
+        for n in old:
+            self.store.delete(self._name(n))
+        return len(old)
 
 
 class LeaseHeld(BufferError):
@@ -392,7 +426,7 @@ class Lease:
     """
 
     def __init__(self, store: Store, folder: str, role: str, *, ttl_s: float = 30.0):
-        self.numbered = Numbered(store, folder, role)
+        self.numbered = Numbered(store, folder, role, grace_s=max(60.0, 4 * ttl_s))
         self.role, self.ttl_s = role, ttl_s
         self.holder = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.epoch: int | None = None

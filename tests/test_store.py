@@ -90,7 +90,35 @@ def test_numbered_updates_lose_nothing_under_contention(root):
     numbered = Numbered(open_store(root), "state", "counter")
     assert numbered.read() == (60, {"count": 60})
     names = [e.name for e in open_store(root).list("state")]
-    assert names == [f"counter-{n:012d}.json" for n in range(53, 61)]
+    assert names == [f"counter-{n:012d}.json" for n in range(1, 61)]    # all younger than the grace
+
+
+def test_numbered_prunes_old_numbers_after_the_grace(root):
+    numbered = Numbered(open_store(root), "state", "s", keep=3, grace_s=1.0)
+    for i in range(5):
+        numbered.update(lambda s, i=i: {"i": i})
+    assert numbered.prune() == 0                        # 5 numbers, but all younger than the grace
+    time.sleep(1.2)
+    numbered.update(lambda s: {"i": 5})                 # number 6, 1.2 s newer than 1..5: 1..3 go
+    assert [e.name for e in open_store(root).list("state")] == [f"s-{n:012d}.json" for n in (4, 5, 6)]
+    assert numbered.read() == (6, {"i": 5})
+
+
+def test_a_slow_writer_reads_again_instead_of_recreating_a_pruned_number(root):
+    """A writer whose fn takes longer than grace_s / 2 never creates from its old read."""
+    numbered = Numbered(open_store(root), "state", "s", keep=1, grace_s=0.4)
+    numbered.update(lambda s: {"count": 1})
+    calls = []
+
+    def slow_then_fast(state):
+        calls.append(state["count"])
+        if len(calls) == 1:
+            time.sleep(0.3)                              # > grace_s / 2: this read is not used
+            Numbered(open_store(root), "state", "s", keep=1, grace_s=0.4).update(lambda s: {"count": s["count"] + 1})
+        return {"count": state["count"] + 1}
+
+    assert numbered.update(slow_then_fast) == (3, {"count": 3})
+    assert calls == [1, 2]
 
 
 def test_lease_refuses_a_second_holder_until_the_first_expires(root):
