@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -90,6 +91,14 @@ class Store:
 
     def delete(self, name: str) -> None:
         """Remove `name`; a missing one is fine."""
+        raise NotImplementedError
+
+    def upload(self, name: str, local: Path) -> None:
+        """publish() of a local file's bytes, streamed (a multipart upload appears whole when complete)."""
+        raise NotImplementedError
+
+    def download(self, name: str, local: Path) -> None:
+        """Copy object `name` to the local file `local` (streamed)."""
         raise NotImplementedError
 
     def check(self) -> None:
@@ -172,6 +181,22 @@ class LocalStore(Store):
 
     def delete(self, name: str) -> None:
         self._path(name).unlink(missing_ok=True)
+
+    def upload(self, name: str, local: Path) -> None:
+        final = self._path(name)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / tmp_name(final.name)
+        try:
+            shutil.copyfile(local, tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(final, e) from e
+
+    def download(self, name: str, local: Path) -> None:
+        shutil.copyfile(self._path(name), local)
 
     def check(self) -> None:
         if self.root.exists() and not self.root.is_dir():
@@ -290,6 +315,12 @@ class FsspecStore(Store):
             except FileNotFoundError:
                 pass
         self._retry("delete", rm)
+
+    def upload(self, name: str, local: Path) -> None:
+        self._retry("upload", lambda: self.fs.put_file(str(local), self._key(name)))
+
+    def download(self, name: str, local: Path) -> None:
+        self._retry("download", lambda: self.fs.get_file(self._key(name), str(local)))
 
     def check(self) -> None:
         probe = f".check-{uuid.uuid4().hex[:8]}"
