@@ -108,7 +108,7 @@ def clean_tmp_dir(tmp: Path, *, max_age_s: float = TMP_MAX_AGE_S) -> int:
         return 0
     for p in entries:
         parts = p.name.split("%", 3)
-        dead = len(parts) == 4 and parts[0] == host and parts[1].isdigit() and not _pid_alive(int(parts[1]))
+        dead = len(parts) == 4 and parts[0] == host and parts[1].isdigit() and not pid_alive(int(parts[1]))
         try:
             if dead or now - p.stat().st_mtime > max_age_s:
                 p.unlink()
@@ -118,7 +118,8 @@ def clean_tmp_dir(tmp: Path, *, max_age_s: float = TMP_MAX_AGE_S) -> int:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -27,7 +27,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from buffer.atomic import BufferError, _pid_alive, fsync_dir
+from buffer.atomic import BufferError, pid_alive, fsync_dir
 from buffer.store import Numbered, Store
 from workers.weights import version_name
 
@@ -65,7 +65,7 @@ class RemoteWeights:
         if tmp.is_dir():
             for p in tmp.iterdir():
                 pid = p.name.split("-", 1)[0]
-                if p.name.startswith("deleting-") or (pid.isdigit() and not _pid_alive(int(pid))):
+                if p.name.startswith("deleting-") or (pid.isdigit() and not pid_alive(int(pid))):
                     shutil.rmtree(p, ignore_errors=True)
 
     def _name(self, version: int, file: str = "") -> str:
