@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Literal
 
 from buffer.atomic import BufferError, atomic_file, atomic_write_bytes, clean_tmp_dir
 from buffer.layout import SHARD_SUFFIX, BufferDir
+from buffer.store import RemotePath, list_names
 
 if TYPE_CHECKING:   # pyarrow is imported where used: `asyncgrpo --help` reaches this module
     import pyarrow.parquet as pq
@@ -75,7 +76,7 @@ FLOOR_FILE = "retention.json"       # <buffer>/archive/retention.json: {"below_v
 
 def archive_dir(root: str | os.PathLike) -> Path:
     """<buffer>/archive/: retired shards (shards/), the retention bound (retention.json), archive/tmp/."""
-    return Path(root).absolute() / ARCHIVE
+    return (root if isinstance(root, RemotePath) else Path(root).absolute()) / ARCHIVE
 
 
 def archive_shards_dir(root: str | os.PathLike) -> Path:
@@ -86,7 +87,7 @@ def archived_shards(root: str | os.PathLike) -> list[Path]:
     """The archived rollout shards, sorted by name (a listing: no file is opened)."""
     folder = archive_shards_dir(root)
     try:
-        names = os.listdir(folder)
+        names = list_names(folder)
     except FileNotFoundError:
         return []
     return [folder / n for n in sorted(names) if n.endswith(SHARD_SUFFIX)]
