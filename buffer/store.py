@@ -33,6 +33,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from buffer.atomic import BufferError, StorageError, fsync_dir, tmp_name
+from buffer.atomic import BufferError, StorageError, fsync_dir, pid_alive, tmp_name
 
 log = logging.getLogger(__name__)
 
@@ -447,11 +448,18 @@ class LeaseHeld(BufferError):
     """Another process holds the lease; the message names it."""
 
 
+def _dead_here(state: dict) -> bool:
+    """Whether a lease's holder was a process of this host that is gone (killed): free at once, as a
+    local lock file's would be."""
+    return state.get("host") == os.uname().nodename and not pid_alive(int(state.get("pid", -1)))
+
+
 class Lease:
     """One holder of a role at a time (the trainer of a run), on any store.
 
-    The lease is a Numbered state {holder, host, pid, epoch, expires}. `acquire` takes it when there is
-    none or the current one expired (its holder stopped renewing: killed), by creating the next number:
+    The lease is a Numbered state {holder, host, pid, expires}. `acquire` takes it when there is none,
+    the current one expired (its holder stopped renewing: killed elsewhere), or its holder was a process
+    of this host that is gone (killed here: no need to wait), by creating the next number:
     of two racing, one wins. `renew` extends it (the holder's own next number); a holder whose renew
     finds someone else's newer lease has lost it and must stop (fencing: `LeaseHeld`).
     """
@@ -468,7 +476,8 @@ class Lease:
     def acquire(self) -> None:
         def take(state):
             now = time.time()
-            if state is not None and state["holder"] != self.holder and state["expires"] > now:
+            if (state is not None and state["holder"] != self.holder and state["expires"] > now
+                    and not _dead_here(state)):
                 raise LeaseHeld(f"{self.numbered.store.uri}: another {self.role} holds this run "
                                 f"(pid {state['pid']} on {state['host']}, lease valid for "
                                 f"{state['expires'] - now:.0f} s more); stop it first, or wait until its lease "
@@ -662,7 +671,7 @@ class LeaseLock:
         self.path, self.ttl_s, self.poll_s = path, ttl_s, poll_s
         self._lease = Lease(path.store, path.key, "lock", ttl_s=ttl_s)
         self._count = 0
-        self._guard = __import__("threading").RLock()
+        self._guard = threading.RLock()
         self._stop = None
 
     @property
@@ -690,8 +699,6 @@ class LeaseLock:
             return self
 
     def _start_renewing(self) -> None:
-        import threading
-
         stop = self._stop = threading.Event()
 
         def renew():
