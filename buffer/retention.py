@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Literal
 
 from buffer.atomic import BufferError, atomic_file, atomic_write_bytes, clean_tmp_dir
 from buffer.layout import SHARD_SUFFIX, BufferDir
-from buffer.store import RemotePath, list_names
+from buffer.store import RemotePath, list_names, read_metadata, read_table
 
 if TYPE_CHECKING:   # pyarrow is imported where used: `asyncgrpo --help` reaches this module
     import pyarrow.parquet as pq
@@ -140,12 +140,11 @@ def _column_max(meta: pq.FileMetaData, column: str) -> int | None:
 def file_max(path: Path, column: str, meta: pq.FileMetaData | None = None) -> int | None:
     """Max of an integer column in a Parquet file: the footer's statistics, else the column read; None: no rows."""
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
-    meta = pq.read_metadata(path) if meta is None else meta
+    meta = read_metadata(path) if meta is None else meta
     best = _column_max(meta, column)
     if best is None and meta.num_rows:
-        best = pc.max(pq.read_table(path, columns=[column]).column(0)).as_py()
+        best = pc.max(read_table(path, columns=[column]).column(0)).as_py()
     return None if best is None else int(best)
 
 
@@ -183,15 +182,13 @@ _FOOTERS: dict[Path, dict[str, tuple[int, int, int, int]]] = {}
 
 def _footer_facts(path: Path, cache: dict, fresh: dict) -> tuple[int, int] | None:
     """(max version, groups) of a shard, from `cache` or its footer (recorded in `fresh`); None if unreadable."""
-    import pyarrow.parquet as pq
-
     try:
         st = path.stat()
         hit = cache.get(path.name)
         if hit is not None and hit[:2] == (st.st_ino, st.st_mtime_ns):
             fresh[path.name] = hit
             return hit[2], hit[3]
-        meta = pq.read_metadata(path)
+        meta = read_metadata(path)
         top = file_max(path, "version", meta)
     except FileNotFoundError:
         return None

@@ -268,9 +268,15 @@ class FsspecStore(Store):
         while True:
             try:
                 return fn()
+            except StoreError:
+                raise
             except Exception as e:
-                if not _transient(e) or time.monotonic() + delay > deadline:
+                if not _transient(e):
+                    if self._misconfigured(e):     # no bucket, bad credentials: one clear error
+                        raise StoreError(self._explain(e)) from e
                     raise
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(self._explain(e) + f" (retried for {self.retry_s:.0f} s)") from e
                 if not warned:
                     log.warning("%s %s/%s failed (%s: %s); retrying for up to %.0f s", what, self.uri, "",
                                 type(e).__name__, e, self.retry_s)
@@ -331,6 +337,13 @@ class FsspecStore(Store):
             self.fs.rm_file(self._key(probe))
         except Exception as e:
             raise StoreError(self._explain(e)) from e
+
+    @staticmethod
+    def _misconfigured(e: Exception) -> bool:
+        low = f"{type(e).__name__}: {e}".lower()
+        return (isinstance(e, PermissionError) or ("bucket" in low and ("not exist" in low or "nosuchbucket" in low))
+                or any(s in low for s in ("credential", "accessdenied", "access denied", "invalidaccesskeyid",
+                                          "signaturedoesnotmatch", "forbidden")))
 
     def _explain(self, e: Exception) -> str:
         text = f"{type(e).__name__}: {e}"

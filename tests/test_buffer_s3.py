@@ -133,3 +133,36 @@ def test_sql_on_s3_reads_nothing_but_the_buffer(buf):
         BufferSQL(buf).query(f"SELECT * FROM read_parquet('{buf.store.url('buffer.json')}')")
     with pytest.raises(SqlError, match="only SELECT"):
         BufferSQL(buf).query(f"COPY rollouts TO '{buf.store.url('x.parquet')}'")
+
+
+def _cli_env(server):
+    import os
+    return dict(os.environ, **server.env)
+
+
+def test_status_and_sql_commands_on_an_s3_run(buf, s3server):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    _fill_s3(buf, 6)
+    with Sampler(buf) as s:
+        s.pull(2, trainer_version=2, trainer_step=1, max_staleness=None)
+    run = str(buf.parent)
+    env = dict(_cli_env(s3server), PYTHONPATH=str(REPO))
+    st = subprocess.run([sys.executable, "-m", "pipeline", "status", run, "--json"], capture_output=True,
+                        text=True, env=env, timeout=120)
+    assert st.returncode == 0, st.stderr
+    counts = json.loads(st.stdout)
+    assert (counts["groups"], counts["consumed"], counts["eligible"]) == (6, 2, 4)
+    q = subprocess.run([sys.executable, "-m", "pipeline", "sql", run, "--format", "json",
+                        "SELECT count(*) AS n FROM rollouts"], capture_output=True, text=True, env=env, timeout=120)
+    assert q.returncode == 0, q.stderr
+    assert json.loads(q.stdout) == [{"n": 24}]
+    bad = subprocess.run([sys.executable, "-m", "pipeline", "status", "s3://no-such-bucket/run"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2
+    assert "the bucket 'no-such-bucket' does not exist at http://127.0.0.1:" in bad.stderr
+    assert "Traceback" not in bad.stderr
