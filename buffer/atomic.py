@@ -62,9 +62,20 @@ def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[B
     """A binary file that appears at `final` only when the block succeeds.
 
     Written under a temp name in `tmp_dir`, fsynced, then renamed; if the block
-    raises, the temp file is removed and `final` is untouched. An OSError (disk
+    raises, the temp file is removed and `final` is untouched. On an object store
+    (`final` a buffer.store.RemotePath) it is written to a local temp file, then uploaded whole. An OSError (disk
     full, read-only) comes out as a StorageError naming `final`.
     """
+    if type(final).__name__ == "RemotePath":   # an object store: a local temp file, then one upload
+        import tempfile
+        fd, local = tempfile.mkstemp(prefix="asyncgrpo-", suffix=".upload")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+            final.store.upload(final.key, Path(local))
+        finally:
+            os.unlink(local)
+        return
     tmp = tmp_dir / tmp_name(final.name)
     try:
         with open(tmp, "wb") as f:

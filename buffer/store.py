@@ -33,6 +33,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from buffer.atomic import BufferError, StorageError, fsync_dir, tmp_name
+from buffer.atomic import BufferError, StorageError, fsync_dir, pid_alive, tmp_name
 
 log = logging.getLogger(__name__)
 
@@ -267,9 +268,15 @@ class FsspecStore(Store):
         while True:
             try:
                 return fn()
+            except StoreError:
+                raise
             except Exception as e:
-                if not _transient(e) or time.monotonic() + delay > deadline:
+                if not _transient(e):
+                    if self._misconfigured(e):     # no bucket, bad credentials: one clear error
+                        raise StoreError(self._explain(e)) from e
                     raise
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(self._explain(e) + f" (retried for {self.retry_s:.0f} s)") from e
                 if not warned:
                     log.warning("%s %s/%s failed (%s: %s); retrying for up to %.0f s", what, self.uri, "",
                                 type(e).__name__, e, self.retry_s)
@@ -330,6 +337,13 @@ class FsspecStore(Store):
             self.fs.rm_file(self._key(probe))
         except Exception as e:
             raise StoreError(self._explain(e)) from e
+
+    @staticmethod
+    def _misconfigured(e: Exception) -> bool:
+        low = f"{type(e).__name__}: {e}".lower()
+        return (isinstance(e, PermissionError) or ("bucket" in low and ("not exist" in low or "nosuchbucket" in low))
+                or any(s in low for s in ("credential", "accessdenied", "access denied", "invalidaccesskeyid",
+                                          "signaturedoesnotmatch", "forbidden")))
 
     def _explain(self, e: Exception) -> str:
         text = f"{type(e).__name__}: {e}"
@@ -447,11 +461,18 @@ class LeaseHeld(BufferError):
     """Another process holds the lease; the message names it."""
 
 
+def _dead_here(state: dict) -> bool:
+    """Whether a lease's holder was a process of this host that is gone (killed): free at once, as a
+    local lock file's would be."""
+    return state.get("host") == os.uname().nodename and not pid_alive(int(state.get("pid", -1)))
+
+
 class Lease:
     """One holder of a role at a time (the trainer of a run), on any store.
 
-    The lease is a Numbered state {holder, host, pid, epoch, expires}. `acquire` takes it when there is
-    none or the current one expired (its holder stopped renewing: killed), by creating the next number:
+    The lease is a Numbered state {holder, host, pid, expires}. `acquire` takes it when there is none,
+    the current one expired (its holder stopped renewing: killed elsewhere), or its holder was a process
+    of this host that is gone (killed here: no need to wait), by creating the next number:
     of two racing, one wins. `renew` extends it (the holder's own next number); a holder whose renew
     finds someone else's newer lease has lost it and must stop (fencing: `LeaseHeld`).
     """
@@ -468,7 +489,8 @@ class Lease:
     def acquire(self) -> None:
         def take(state):
             now = time.time()
-            if state is not None and state["holder"] != self.holder and state["expires"] > now:
+            if (state is not None and state["holder"] != self.holder and state["expires"] > now
+                    and not _dead_here(state)):
                 raise LeaseHeld(f"{self.numbered.store.uri}: another {self.role} holds this run "
                                 f"(pid {state['pid']} on {state['host']}, lease valid for "
                                 f"{state['expires'] - now:.0f} s more); stop it first, or wait until its lease "
@@ -491,3 +513,251 @@ class Lease:
                 return None
             return {**state, "expires": 0.0}
         self.numbered.update(drop)
+
+
+# -- paths on a store: what the buffer's code uses of pathlib.Path ----------------------------
+
+class RemotePath:
+    """A file or folder on an object store with the few pathlib.Path methods the buffer uses, so
+    one code path serves a local run (pathlib.Path) and a remote one. Folders do not exist on
+    object stores: mkdir does nothing, and a folder exists when something is under it."""
+
+    def __init__(self, store: "FsspecStore", key: str, entry: Entry | None = None):
+        self.store, self.key = store, key.strip("/")
+        self.entry = entry   # size and time from the listing that found it: stat() needs no request
+
+    # -- names ---------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    @property
+    def stem(self) -> str:
+        return self.name.rsplit(".", 1)[0] if "." in self.name else self.name
+
+    @property
+    def suffix(self) -> str:
+        return "." + self.name.rsplit(".", 1)[1] if "." in self.name else ""
+
+    @property
+    def parent(self) -> "RemotePath":
+        return RemotePath(self.store, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
+
+    def with_name(self, name: str) -> "RemotePath":
+        return self.parent / name
+
+    def __truediv__(self, other) -> "RemotePath":
+        return RemotePath(self.store, f"{self.key}/{other}" if self.key else str(other))
+
+    def __str__(self) -> str:
+        return self.store.url(self.key)
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    def __eq__(self, other) -> bool:   # by URL: the same object reached from two roots is equal
+        return isinstance(other, RemotePath) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __lt__(self, other: "RemotePath") -> bool:
+        return str(self) < str(other)
+
+    def absolute(self) -> "RemotePath":
+        return self
+
+    # -- what is there -----------------------------------------------------------
+    def iterdir(self):
+        return (RemotePath(self.store, f"{self.key}/{e.name}", e) for e in self.store.list(self.key))
+
+    def glob(self, pattern: str):
+        import fnmatch
+        return (p for p in self.iterdir() if fnmatch.fnmatchcase(p.name, pattern))
+
+    def is_file(self) -> bool:
+        return any(e.name == self.name for e in self.store.list(self.parent.key))
+
+    def is_dir(self) -> bool:
+        def ls():
+            try:
+                return bool(self.store.fs.ls(self.store._key(self.key), refresh=True))
+            except FileNotFoundError:
+                return False
+        return self.store._retry("list", ls)
+
+    def exists(self) -> bool:
+        return self.is_file() or self.is_dir()
+
+    def stat(self):
+        """Size and time (st_ino 0: names are never reused); from the listing that found it, if one did."""
+        from types import SimpleNamespace
+        e = self.entry or next((e for e in self.store.list(self.parent.key) if e.name == self.name), None)
+        if e is None:
+            raise FileNotFoundError(str(self))
+        return SimpleNamespace(st_size=e.size, st_mtime=e.mtime, st_mtime_ns=int(e.mtime * 1e9), st_ino=0)
+
+    # -- reading and writing -----------------------------------------------------
+    def read_bytes(self) -> bytes:
+        return self.store.read(self.key)
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_bytes(self, data: bytes) -> None:
+        self.store.publish(self.key, data)
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode())
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        if not missing_ok and not self.is_file():
+            raise FileNotFoundError(str(self))
+        self.store.delete(self.key)
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        pass
+
+    # -- for pyarrow and DuckDB ---------------------------------------------------
+    def arrow(self) -> tuple[str, object]:
+        """(path, filesystem) for pyarrow's readers."""
+        return self.store._key(self.key), self.store.fs
+
+
+def store_path(root: str | os.PathLike, *, retry_s: float = DEFAULT_RETRY_S):
+    """A pathlib.Path for a local folder, a RemotePath for an s3:// (gs://, az://) URI."""
+    if is_remote(root):
+        store = FsspecStore(str(root), retry_s=retry_s)
+        return RemotePath(store, "")
+    return Path(root)
+
+
+def arrow_source(path) -> tuple[object, object | None]:
+    """(source, filesystem) for pq.ParquetFile / read_table / read_metadata, for either kind of path."""
+    return path.arrow() if isinstance(path, RemotePath) else (path, None)
+
+
+def parquet_file(path, **kw):
+    import pyarrow.parquet as pq
+    source, fs = arrow_source(path)
+    if fs is None:
+        return pq.ParquetFile(source, **kw)
+    return pq.ParquetFile(fs.open(source, "rb"), **kw)
+
+
+def read_table(path, **kw):
+    import pyarrow.parquet as pq
+    source, fs = arrow_source(path)
+    return pq.read_table(source, filesystem=fs, **kw) if fs is not None else pq.read_table(source, **kw)
+
+
+def read_metadata(path):
+    import pyarrow.parquet as pq
+    source, fs = arrow_source(path)
+    if fs is None:
+        return pq.read_metadata(source)
+    with fs.open(source, "rb") as f:
+        return pq.read_metadata(f)
+
+
+def list_entries(folder) -> dict[str, Entry | None]:
+    """list_names with each remote file's Entry (None for a local file: stat() it)."""
+    if isinstance(folder, RemotePath):
+        return {e.name: e for e in folder.store.list(folder.key)}
+    return dict.fromkeys(os.listdir(folder))
+
+
+def list_names(folder) -> list[str]:
+    """Names of the files directly in `folder` (a Path or RemotePath); FileNotFoundError if it is missing
+    (a local folder) — a remote folder with nothing in it is empty."""
+    if isinstance(folder, RemotePath):
+        return [e.name for e in folder.store.list(folder.key)]
+    return os.listdir(folder)
+
+
+class LeaseLock:
+    """filelock.FileLock's interface (acquire(timeout), release, is_locked, `with`, re-entrant) on a
+    store, built on `Lease`: acquiring waits while another process holds it, a thread renews it while
+    held, and a holder killed with -9 frees it `ttl_s` later."""
+
+    def __init__(self, path: RemotePath, *, ttl_s: float = 30.0, poll_s: float = 0.25):
+        self.path, self.ttl_s, self.poll_s = path, ttl_s, poll_s
+        self._lease = Lease(path.store, path.key, "lock", ttl_s=ttl_s)
+        self._count = 0
+        self._guard = threading.RLock()
+        self._stop = None
+
+    @property
+    def is_locked(self) -> bool:
+        return self._count > 0
+
+    def acquire(self, timeout: float = -1, poll_interval: float | None = None):
+        from filelock import Timeout
+
+        with self._guard:
+            if self._count:
+                self._count += 1
+                return self
+            deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+            while True:
+                try:
+                    self._lease.acquire()
+                    break
+                except LeaseHeld:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise Timeout(str(self.path)) from None
+                    time.sleep(poll_interval or self.poll_s)
+            self._count = 1
+            self._start_renewing()
+            return self
+
+    def _start_renewing(self) -> None:
+        stop = self._stop = threading.Event()
+
+        def renew():
+            while not stop.wait(self.ttl_s / 3):
+                try:
+                    self._lease.renew()
+                except LeaseHeld:
+                    log.error("lost the lock %s (renewal came too late); its holder will stop at its next write",
+                              self.path)
+                    return
+                except Exception as e:   # the store down a while: try again at the next tick
+                    log.warning("could not renew the lock %s: %s", self.path, e)
+
+        threading.Thread(target=renew, daemon=True, name=f"lease-{self.path.name}").start()
+
+    def release(self, force: bool = False) -> None:
+        with self._guard:
+            if not self._count:
+                return
+            self._count = 0 if force else self._count - 1
+            if self._count:
+                return
+            if self._stop is not None:
+                self._stop.set()
+            self._lease.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def store_lock(path):
+    """A lock at `path`: filelock.FileLock locally, LeaseLock on an object store."""
+    if isinstance(path, RemotePath):
+        return LeaseLock(path)
+    from filelock import FileLock
+    return FileLock(str(path))
+
+
+def move(src, dst) -> None:
+    """os.replace for either kind of path; on an object store a copy, then the delete (FileNotFoundError
+    if `src` is gone)."""
+    if isinstance(src, RemotePath):
+        dst.write_bytes(src.read_bytes())
+        src.unlink(missing_ok=True)
+    else:
+        os.replace(src, dst)

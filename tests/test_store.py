@@ -200,3 +200,21 @@ def test_writes_wait_for_the_endpoint_to_come_back(s3env):
         assert not isinstance(info.value, FileNotFoundError)
     finally:
         s3env.relay.up()
+
+
+def test_a_lease_of_a_killed_process_of_this_host_is_free_at_once(root):
+    import subprocess
+    import sys
+
+    code = ("import sys; from buffer.store import Lease, open_store; "
+            "Lease(open_store(sys.argv[1]), 'leases', 'trainer', ttl_s=600).acquire(); print('held', flush=True); "
+            "import time; time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code, root], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(LeaseHeld, match=rf"pid {p.pid} on "):
+            Lease(open_store(root), "leases", "trainer").acquire()
+    finally:
+        p.kill()
+        p.wait()
+    Lease(open_store(root), "leases", "trainer").acquire()      # its holder is gone: no 600 s wait
