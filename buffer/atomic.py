@@ -62,9 +62,20 @@ def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[B
     """A binary file that appears at `final` only when the block succeeds.
 
     Written under a temp name in `tmp_dir`, fsynced, then renamed; if the block
-    raises, the temp file is removed and `final` is untouched. An OSError (disk
+    raises, the temp file is removed and `final` is untouched. On an object store
+    (`final` a buffer.store.RemotePath) it is written to a local temp file, then uploaded whole. An OSError (disk
     full, read-only) comes out as a StorageError naming `final`.
     """
+    if type(final).__name__ == "RemotePath":   # an object store: a local temp file, then one upload
+        import tempfile
+        fd, local = tempfile.mkstemp(prefix="asyncgrpo-", suffix=".upload")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+            final.store.upload(final.key, Path(local))
+        finally:
+            os.unlink(local)
+        return
     tmp = tmp_dir / tmp_name(final.name)
     try:
         with open(tmp, "wb") as f:
@@ -108,7 +119,7 @@ def clean_tmp_dir(tmp: Path, *, max_age_s: float = TMP_MAX_AGE_S) -> int:
         return 0
     for p in entries:
         parts = p.name.split("%", 3)
-        dead = len(parts) == 4 and parts[0] == host and parts[1].isdigit() and not _pid_alive(int(parts[1]))
+        dead = len(parts) == 4 and parts[0] == host and parts[1].isdigit() and not pid_alive(int(parts[1]))
         try:
             if dead or now - p.stat().st_mtime > max_age_s:
                 p.unlink()
@@ -118,7 +129,8 @@ def clean_tmp_dir(tmp: Path, *, max_age_s: float = TMP_MAX_AGE_S) -> int:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -51,6 +51,7 @@ import pyarrow.parquet as pq
 
 from buffer.fileset import SHARD_SUMMARY, SOURCES_KEY, SUMMARY_KEY, FileSet, pack_columns
 from buffer.layout import BufferDir, atomic_file, ledger_range
+from buffer.store import RemotePath, parquet_file, read_metadata
 from buffer.schema import parquet_write_options
 
 LEDGER_TARGET_ROWS = 262_144   # ledger records per merged ledger file (one per group pulled)
@@ -101,7 +102,7 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
                 if hit is not None and hit[:2] == (st.st_ino, st.st_mtime_ns):
                     groups = hit[2]
                 else:
-                    groups = _group_count(pq.read_metadata(p))
+                    groups = _group_count(read_metadata(p))
                 seen[p.name] = (st.st_ino, st.st_mtime_ns, groups)
             except FileNotFoundError:
                 continue
@@ -171,7 +172,7 @@ def compact_small(fs: FileSet, *, target_rows: int, min_age_s: float, grace_s: f
     footer (FileSet.merge_tables).
     """
     report = CompactionReport()
-    if not fs.folder.is_dir():
+    if not isinstance(fs.folder, RemotePath) and not fs.folder.is_dir():
         return report
     with fs.lock:
         now = time.time()
@@ -180,7 +181,7 @@ def compact_small(fs: FileSet, *, target_rows: int, min_age_s: float, grace_s: f
             try:
                 if now - p.stat().st_mtime < min_age_s:
                     continue
-                rows = pq.read_metadata(p).num_rows
+                rows = read_metadata(p).num_rows
             except FileNotFoundError:
                 continue
             if rows < target_rows:
@@ -274,7 +275,7 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: i
         with atomic_file(d.tmp, d.shards / out_name) as f:
             for p in batch:
                 try:
-                    pf = pq.ParquetFile(p, page_checksum_verification=True)
+                    pf = parquet_file(p, page_checksum_verification=True)
                     parts = [pf.read_row_group(i) for i in range(pf.metadata.num_row_groups)]
                 except Exception as e:  # noqa: BLE001
                     d.quarantine(p, f"unreadable during compaction: {type(e).__name__}: {e}")

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from filelock import FileLock
 
 from buffer.atomic import BufferError, atomic_file
+from buffer.store import RemotePath, list_entries, list_names, read_table
 
 if TYPE_CHECKING:   # pyarrow is imported where used: `asyncgrpo --help` reaches this module
     import numpy as np
@@ -150,21 +151,25 @@ class FileSet:
             f.write(json.dumps(raw, indent=1).encode())
 
     # -- listing ---------------------------------------------------------------------
-    def live_names(self) -> list[str]:
-        """Names of the live files, sorted (first the manifest, then the listing: see module doc)."""
+    def _live(self) -> dict[str, object]:
+        """The live files' names (sorted) -> their listing entries (see buffer.store.list_entries)."""
         manifest = self.read_manifest()
         compacted = set(manifest.compacted)
         try:
-            names = os.listdir(self.folder)
+            entries = list_entries(self.folder)
         except FileNotFoundError:
-            return []
-        live = [n for n in names if self.is_member(n) and n not in manifest.replaced
-                and (n in compacted or not self.is_compacted(n))]
-        live.sort()
-        return live
+            return {}
+        return {n: entries[n] for n in sorted(entries) if self.is_member(n) and n not in manifest.replaced
+                and (n in compacted or not self.is_compacted(n))}
+
+    def live_names(self) -> list[str]:
+        """Names of the live files, sorted (first the manifest, then the listing: see module doc)."""
+        return list(self._live())
 
     def live(self) -> list[Path]:
-        return [self.folder / n for n in self.live_names()]
+        if isinstance(self.folder, RemotePath):
+            return [RemotePath(self.folder.store, f"{self.folder.key}/{n}", e) for n, e in self._live().items()]
+        return [self.folder / n for n in self._live()]
 
     # -- compaction ------------------------------------------------------------------
     def swap(self, manifest: Manifest, new: Iterable[str], sources: Iterable[str], now: float) -> Manifest:
@@ -204,21 +209,15 @@ class FileSet:
         manifest = self.read_manifest()
         listed = set(manifest.compacted) | set(manifest.replaced)
         try:
-            names = os.listdir(self.folder)
+            names = list_names(self.folder)
         except FileNotFoundError:
             names = []
         for n in names:
             if self.is_member(n) and self.is_compacted(n) and n not in listed:
-                try:
-                    os.unlink(self.folder / n)
-                except FileNotFoundError:
-                    pass
+                (self.folder / n).unlink(missing_ok=True)
         expired = [n for n, t in manifest.replaced.items() if now - t >= grace_s]
         for n in expired:
-            try:
-                os.unlink(self.folder / n)
-            except FileNotFoundError:
-                pass
+            (self.folder / n).unlink(missing_ok=True)
         if expired:
             self.write_manifest(replace(manifest, replaced={k: v for k, v in manifest.replaced.items()
                                                             if k not in set(expired)}))
@@ -237,7 +236,7 @@ class FileSet:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        tables = [(n, pq.read_table(self.folder / n)) for n in names]
+        tables = [(n, read_table(self.folder / n)) for n in names]
         if sort_by is not None:
             tables.sort(key=lambda nt: (nt[1].column(sort_by)[0].as_py() if nt[1].num_rows else -1, nt[0]))
         merged = pa.concat_tables([t.replace_schema_metadata(None) for _, t in tables],

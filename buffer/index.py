@@ -56,6 +56,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from buffer.layout import BufferDir, BufferError, ledger_range
+from buffer.store import parquet_file, read_table
 from buffer.retention import read_floor
 from buffer.schema import FILTER_REASONS, INDEX_COLUMNS, staleness
 
@@ -220,7 +221,7 @@ class GroupIndex:
             return
         cut = self.as_of_step is not None and last > self.as_of_step
         try:
-            t = pq.read_table(self.dir.ledger / name,
+            t = read_table(self.dir.ledger / name,
                               columns=["group_id", "use_index"] + (["trainer_step"] if cut else []))
         except FileNotFoundError:
             return   # merged meanwhile: the merged file is listed next time
@@ -259,7 +260,7 @@ class GroupIndex:
 
     def _index_shard(self, path: Path) -> None:
         try:
-            pf = pq.ParquetFile(path)
+            pf = parquet_file(path)
             table = pf.read(columns=INDEX_COLUMNS)
         except FileNotFoundError:
             self._pass_complete = False   # this listing missed where its groups went: no watermark from it

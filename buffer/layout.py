@@ -27,7 +27,6 @@ import socket
 import time
 from pathlib import Path
 
-from filelock import FileLock
 
 from buffer.atomic import (  # noqa: F401 - re-exported: the buffer's errors and atomic writes live here for callers
     BufferError,
@@ -38,6 +37,9 @@ from buffer.atomic import (  # noqa: F401 - re-exported: the buffer's errors and
     tmp_name,
 )
 from buffer.fileset import FileSet, Manifest  # noqa: F401 - Manifest re-exported
+from buffer.store import RemotePath, store_lock, store_path
+
+BUFFER_MARKER = "buffer.json"   # on an object store (which has no folders), what makes a prefix a buffer
 
 SHARD_SUFFIX = ".parquet"
 
@@ -93,14 +95,14 @@ def run_file_set(folder: str | os.PathLike, kind: str) -> FileSet:
 
     Each folder has its own manifest.json, compaction.lock and tmp/.
     """
-    folder = Path(folder)
+    folder = folder if isinstance(folder, RemotePath) else Path(folder)
     if kind == "metrics":
         member, compacted, c_name = _is_metrics_name, _is_metrics_c_name, metrics_c_name
     elif kind == "generator_metrics":
         member, compacted, c_name = (lambda n: n.endswith(SHARD_SUFFIX)), (lambda n: n.startswith("c-")), None
     else:
         raise ValueError(f"unknown kind of run files {kind!r}: 'metrics' or 'generator_metrics'")
-    return FileSet(folder, folder / "manifest.json", FileLock(str(folder / "compaction.lock")), folder / "tmp",
+    return FileSet(folder, folder / "manifest.json", store_lock(folder / "compaction.lock"), folder / "tmp",
                    is_member=member, is_compacted=compacted, c_name=c_name)
 
 
@@ -108,7 +110,8 @@ class BufferDir:
     """Paths and file-level operations of one buffer directory."""
 
     def __init__(self, root: str | os.PathLike, *, create: bool = False):
-        self.root = Path(root).absolute()
+        self.root = root if isinstance(root, RemotePath) else store_path(root).absolute()
+        self.remote = isinstance(self.root, RemotePath)
         if not create and not self.is_buffer(self.root):
             if not self.root.exists():
                 raise BufferError(f"buffer not found: {self.root} does not exist")
@@ -124,19 +127,26 @@ class BufferDir:
         if create:
             for d in (self.shards, self.ledger, self.abandoned, self.quarantine_dir, self.tmp, self.writers):
                 d.mkdir(parents=True, exist_ok=True)
-        self.lock = FileLock(str(self.root / "buffer.lock"))
+            if self.remote and not (self.root / BUFFER_MARKER).is_file():   # no folders on object stores
+                self.root.store.put_new(f"{self.root.key}/{BUFFER_MARKER}".lstrip("/"), b"{}")
+        self.lock = store_lock(self.root / "buffer.lock")
         self.shard_set = FileSet(self.shards, self.manifest_path, self.lock, self.tmp,
                                  is_member=lambda n: n.endswith(SHARD_SUFFIX), is_compacted=lambda n: n.startswith("c-"))
         self.ledger_set = FileSet(self.ledger, self.ledger / "manifest.json", self.lock, self.tmp,
                                   is_member=is_ledger_name, is_compacted=is_ledger_c_name, c_name=ledger_c_name)
 
     @staticmethod
-    def is_buffer(path: Path) -> bool:
+    def is_buffer(path) -> bool:
+        if isinstance(path, RemotePath):
+            return (path / BUFFER_MARKER).is_file()
         return (path / "shards").is_dir()
 
     # -- writer ids --------------------------------------------------------------
     def allocate_writer_id(self, generator_id: str) -> str:
-        """Next free writer id ('w000007'), recorded in writers/ under the lock."""
+        """Next free writer id ('w000007'), recorded in writers/ under the lock (on an object store:
+        created if absent, the next number on a race)."""
+        if self.remote:
+            return self._allocate_writer_id_remote(generator_id)
         with self.lock:
             taken = [int(p.stem[1:]) for p in self.writers.glob("w*.json") if p.stem[1:].isdigit()]
             writer_id = f"w{(max(taken) + 1 if taken else 0):06d}"
@@ -144,6 +154,18 @@ class BufferDir:
                     "pid": os.getpid(), "allocated_at": time.time()}
             atomic_write_bytes(self.tmp, self.writers / f"{writer_id}.json", json.dumps(info).encode())
         return writer_id
+
+    def _writer_info(self, writer_id: str, generator_id: str) -> bytes:
+        return json.dumps({"writer_id": writer_id, "generator_id": generator_id, "host": socket.gethostname(),
+                           "pid": os.getpid(), "allocated_at": time.time()}).encode()
+
+    def _allocate_writer_id_remote(self, generator_id: str) -> str:
+        store, folder = self.root.store, self.writers.key
+        while True:
+            taken = [int(p.stem[1:]) for p in self.writers.glob("w*.json") if p.stem[1:].isdigit()]
+            writer_id = f"w{(max(taken) + 1 if taken else 0):06d}"
+            if store.put_new(f"{folder}/{writer_id}.json", self._writer_info(writer_id, generator_id)):
+                return writer_id
 
     # -- the file sets ---------------------------------------------------------------
     def read_manifest(self) -> Manifest:
@@ -179,7 +201,11 @@ class BufferDir:
                     "size_bytes": shard.stat().st_size}
             atomic_write_bytes(self.tmp, self.quarantine_dir / f"{shard.name}.reason.json",
                                json.dumps(info, indent=1).encode())
-            os.replace(shard, dest)
+            if self.remote:
+                dest.write_bytes(shard.read_bytes())
+                shard.unlink(missing_ok=True)
+            else:
+                os.replace(shard, dest)
         return dest
 
     def quarantined(self) -> list[dict]:
@@ -199,7 +225,7 @@ class BufferDir:
 
 def find_buffer(path: str | os.PathLike) -> Path:
     """A buffer directory given either the buffer itself or a run directory holding buffer/."""
-    p = Path(path)
+    p = path if isinstance(path, RemotePath) else store_path(path)
     if BufferDir.is_buffer(p):
         return p
     if BufferDir.is_buffer(p / "buffer"):

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Literal
 
 from buffer.atomic import BufferError, atomic_file, atomic_write_bytes, clean_tmp_dir
 from buffer.layout import SHARD_SUFFIX, BufferDir
+from buffer.store import RemotePath, list_names, read_metadata, read_table
 
 if TYPE_CHECKING:   # pyarrow is imported where used: `asyncgrpo --help` reaches this module
     import pyarrow.parquet as pq
@@ -75,7 +76,7 @@ FLOOR_FILE = "retention.json"       # <buffer>/archive/retention.json: {"below_v
 
 def archive_dir(root: str | os.PathLike) -> Path:
     """<buffer>/archive/: retired shards (shards/), the retention bound (retention.json), archive/tmp/."""
-    return Path(root).absolute() / ARCHIVE
+    return (root if isinstance(root, RemotePath) else Path(root).absolute()) / ARCHIVE
 
 
 def archive_shards_dir(root: str | os.PathLike) -> Path:
@@ -86,7 +87,7 @@ def archived_shards(root: str | os.PathLike) -> list[Path]:
     """The archived rollout shards, sorted by name (a listing: no file is opened)."""
     folder = archive_shards_dir(root)
     try:
-        names = os.listdir(folder)
+        names = list_names(folder)
     except FileNotFoundError:
         return []
     return [folder / n for n in sorted(names) if n.endswith(SHARD_SUFFIX)]
@@ -139,12 +140,11 @@ def _column_max(meta: pq.FileMetaData, column: str) -> int | None:
 def file_max(path: Path, column: str, meta: pq.FileMetaData | None = None) -> int | None:
     """Max of an integer column in a Parquet file: the footer's statistics, else the column read; None: no rows."""
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
-    meta = pq.read_metadata(path) if meta is None else meta
+    meta = read_metadata(path) if meta is None else meta
     best = _column_max(meta, column)
     if best is None and meta.num_rows:
-        best = pc.max(pq.read_table(path, columns=[column]).column(0)).as_py()
+        best = pc.max(read_table(path, columns=[column]).column(0)).as_py()
     return None if best is None else int(best)
 
 
@@ -182,15 +182,13 @@ _FOOTERS: dict[Path, dict[str, tuple[int, int, int, int]]] = {}
 
 def _footer_facts(path: Path, cache: dict, fresh: dict) -> tuple[int, int] | None:
     """(max version, groups) of a shard, from `cache` or its footer (recorded in `fresh`); None if unreadable."""
-    import pyarrow.parquet as pq
-
     try:
         st = path.stat()
         hit = cache.get(path.name)
         if hit is not None and hit[:2] == (st.st_ino, st.st_mtime_ns):
             fresh[path.name] = hit
             return hit[2], hit[3]
-        meta = pq.read_metadata(path)
+        meta = read_metadata(path)
         top = file_max(path, "version", meta)
     except FileNotFoundError:
         return None

@@ -32,11 +32,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from filelock import FileLock, Timeout
+from filelock import Timeout
 
 from buffer.fileset import SOURCES_KEY, read_sources
 from buffer.index import ELIGIBLE, GroupIndex
 from buffer.layout import BufferDir, BufferError, atomic_file, is_ledger_c_name, is_ledger_name, ledger_range
+from buffer.store import list_names, move, parquet_file, store_lock
 from buffer.schema import LEDGER_SCHEMA, staleness
 
 Order = Literal["oldest", "newest", "uniform"]
@@ -75,7 +76,7 @@ class Sampler:
             raise BufferError(f"as_of_step must be >= 0, got {as_of_step}")
         self.dir = BufferDir(root)
         self.reuse, self.order, self.seed = reuse, order, seed
-        self._lock = FileLock(str(self.dir.root / "ledger.lock"))
+        self._lock = store_lock(self.dir.root / "ledger.lock")
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
@@ -89,7 +90,7 @@ class Sampler:
         self._cache_bytes = 0
         # Ledger names: 'step-<step>-<seq>'; a step written again (a restart without as_of_step) takes
         # sequence numbers after those on disk, live or replaced, so no name is ever reused.
-        names = [n for n in os.listdir(self.dir.ledger) if is_ledger_name(n)]
+        names = [n for n in list_names(self.dir.ledger) if is_ledger_name(n)]
         names += list(self.dir.ledger_set.read_manifest().replaced)   # also those deleted, still in the manifest
         self._disk_last_step = max((ledger_range(n)[1] for n in names), default=-1)
         self._seq_step, self._seq_next = -1, 0
@@ -109,7 +110,7 @@ class Sampler:
         with self.dir.lock:
             manifest = fs.read_manifest()
             new, gone = [], []
-            for name in sorted(set(os.listdir(self.dir.ledger)) | set(manifest.replaced)):
+            for name in sorted(set(list_names(self.dir.ledger)) | set(manifest.replaced)):
                 if not is_ledger_name(name):
                     continue
                 first, last = ledger_range(name)
@@ -123,7 +124,7 @@ class Sampler:
 
             def dispose(name: str) -> None:
                 try:
-                    os.replace(self.dir.ledger / name, self.dir.abandoned / f"{stamp}-{name}")
+                    move(self.dir.ledger / name, self.dir.abandoned / f"{stamp}-{name}")
                 except FileNotFoundError:
                     pass
 
@@ -131,7 +132,7 @@ class Sampler:
 
     def _cut(self, name: str, step: int, generation: int, i: int) -> str:
         """A merged ledger file's records of steps <= `step`, as a new merged file (not yet live); its name."""
-        pf = pq.ParquetFile(self.dir.ledger / name)
+        pf = parquet_file(self.dir.ledger / name)
         t = pf.read()
         keep = pc.less_equal(t.column("trainer_step"), step)
         kept = t.filter(keep)
@@ -268,7 +269,7 @@ class Sampler:
         missing = [r for r in rgs if (key, r) not in cache]
         if missing:
             try:
-                pf = pq.ParquetFile(path, page_checksum_verification=True)
+                pf = parquet_file(path, page_checksum_verification=True)
                 t = pf.read_row_groups(missing)
             except Exception as e:  # noqa: BLE001 - FileNotFound (deleted) or corrupt data pages
                 self.index.mark_unreadable(path, f"unreadable during pull: {type(e).__name__}: {e}")
@@ -293,7 +294,7 @@ class Sampler:
         if step != self._seq_step:
             self._seq_step, self._seq_next = step, 0
             if step <= self._disk_last_step:   # the step has files already (live, replaced or merged)
-                names = set(os.listdir(self.dir.ledger)) | set(self.dir.ledger_set.read_manifest().replaced)
+                names = set(list_names(self.dir.ledger)) | set(self.dir.ledger_set.read_manifest().replaced)
                 taken = [int(n.split("-")[2].removesuffix(".parquet")) for n in names
                          if is_ledger_name(n) and not is_ledger_c_name(n) and ledger_range(n)[0] == step]
                 self._seq_next = max(taken, default=-1) + 1

@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from buffer.layout import BufferDir, BufferError, find_buffer, run_file_set
+from buffer.store import read_table
 from buffer.retention import archived_shards
 from buffer.schema import LEDGER_SCHEMA, ROLLOUT_SCHEMA
 
@@ -184,6 +185,8 @@ class BufferSQL:
                        and p.parent == self.generator_metrics_dir]
         metrics = [p for p in metrics if p not in gen_metrics]
         con = offline_connection()
+        if self.dir.remote:   # read through fsspec: no httpfs extension to download
+            self.dir.root.store.register(con)
         con.execute("SET allowed_paths = ?", [[str(p) for p in shards + ledger + metrics + gen_metrics + archived]])
         for name, files, schema in (("rollouts", shards, ROLLOUT_SCHEMA), ("consumed", ledger, LEDGER_SCHEMA),
                                     ("archived_rollouts", archived, ROLLOUT_SCHEMA)):
@@ -289,7 +292,7 @@ class BufferSQL:
 
 def _readable(p: Path) -> bool:
     try:
-        pq.read_table(p)
+        read_table(p)
         return True
     except FileNotFoundError:
         return True

@@ -40,6 +40,7 @@ import buffer
 from buffer.fileset import LEDGER_SUMMARY, SHARD_SUMMARY, read_summary, summary_columns
 from buffer.layout import BufferDir, find_buffer, ledger_is_merged
 from buffer.retention import archived_shards, newest_in_ledger, read_floor
+from buffer.store import RemotePath, read_metadata
 
 DEFAULT_MAX_RANGES = 20
 
@@ -127,10 +128,8 @@ class _Unreadable(Exception):
 def _footer_cells(p: Path, names: tuple[str, ...], count: str) -> dict[str, np.ndarray] | None:
     """The columns of p's footer summary when its `count` column adds up to the file's rows, else None (the
     caller reads the rows); _Unreadable when the footer cannot be read."""
-    import pyarrow.parquet as pq
-
     try:
-        meta = pq.read_metadata(p)
+        meta = read_metadata(p)
     except Exception as e:  # noqa: BLE001 - gone or damaged: the careful path
         raise _Unreadable(str(p)) from e
     summary = read_summary(meta)
@@ -161,6 +160,9 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
         return None
     cells, scan = found
     con = buffer.offline_connection()
+    remote = next((p for p in shards + ledger if isinstance(p, RemotePath)), None)
+    if remote is not None:
+        remote.store.register(con)
     try:
         if scan:
             read = con.execute(_CELLS_SQL, {"shards": [str(p) for p in scan]}).fetchnumpy()

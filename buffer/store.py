@@ -1,0 +1,763 @@
+"""Where a run's files live: a local folder or an object store (s3://, gs://, az://), behind the
+few operations the buffer needs. The foundation of runs on object storage (issue 18).
+
+Every file the pipeline writes is already write-once and published whole; what a local run
+gets from POSIX beyond that (a rename that replaces, a lock, a consistent listing) is mapped
+here onto what object stores guarantee:
+
+    put_new(name, data)   create-if-absent, whole: True if this call created it, False if it
+                          existed. Local: a temp file, fsynced, then os.link (which fails if the
+                          name exists). Object store: one PUT with `If-None-Match: *`.
+    publish(name, data)   a new, unique name appears whole (the writer owns the name). Local:
+                          temp + rename. Object store: one PUT (readers never see a partial one).
+    read, list, delete    as they say; S3 listings are strongly consistent (since 2020).
+
+On top of put_new, `Numbered` keeps a small state (a manifest, LATEST, the trainer's lease) as
+immutable numbered objects where the newest wins: to change it, a writer reads the newest,
+number n, and creates n + 1 with put_new; of two writers racing, exactly one creates n + 1
+and the other reads again. Nothing is ever overwritten, so no reader sees a half-written state,
+and no lock server is needed. `Lease` builds the single-holder rule (one trainer per run) on it.
+
+Credentials and endpoints come from the standard environment (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_PROFILE, ...), never from our config files. Transient failures
+(connection refused, 5xx, throttling) are retried with backoff for up to `retry_s` seconds;
+`check()` turns a missing bucket, rejected credentials or an unreachable endpoint into one
+StoreError that says which.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from buffer.atomic import BufferError, StorageError, fsync_dir, pid_alive, tmp_name
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "abfs")
+DEFAULT_RETRY_S = 60.0
+
+
+class StoreError(BufferError):
+    """A store a user must fix (no bucket, bad credentials, unreachable endpoint); names the URI."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str       # relative to the listed folder
+    size: int
+    mtime: float    # when it was written, by the store's clock (seconds since the epoch)
+
+
+def is_remote(uri: str | os.PathLike) -> bool:
+    return isinstance(uri, str) and uri.split("://", 1)[0] in REMOTE_SCHEMES and "://" in uri
+
+
+def open_store(uri: str | os.PathLike, *, retry_s: float = DEFAULT_RETRY_S) -> "Store":
+    """A Store for a local folder or an s3:// (gs://, az://) URI. Nothing is checked or created yet."""
+    if is_remote(uri):
+        return FsspecStore(str(uri), retry_s=retry_s)
+    return LocalStore(Path(uri))
+
+
+class Store:
+    """Write-once objects under one root; names are '/'-separated, relative to the root."""
+
+    uri: str
+
+    def read(self, name: str) -> bytes:
+        raise NotImplementedError
+
+    def list(self, folder: str = "") -> list[Entry]:
+        """The objects directly in `folder` (not in its subfolders), sorted by name; [] if none."""
+        raise NotImplementedError
+
+    def put_new(self, name: str, data: bytes) -> bool:
+        raise NotImplementedError
+
+    def publish(self, name: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def delete(self, name: str) -> None:
+        """Remove `name`; a missing one is fine."""
+        raise NotImplementedError
+
+    def upload(self, name: str, local: Path) -> None:
+        """publish() of a local file's bytes, streamed (a multipart upload appears whole when complete)."""
+        raise NotImplementedError
+
+    def download(self, name: str, local: Path) -> None:
+        """Copy object `name` to the local file `local` (streamed)."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise StoreError unless the root can be listed and written (run before starting daemons)."""
+        raise NotImplementedError
+
+    def url(self, name: str) -> str:
+        """What DuckDB and pyarrow are given for `name` (with `arrow_filesystem()` / `register()`)."""
+        raise NotImplementedError
+
+    def arrow_filesystem(self):
+        """A pyarrow filesystem that reads `url(name)`."""
+        raise NotImplementedError
+
+    def register(self, con) -> None:
+        """Let DuckDB connection `con` read `url(name)`: no extension is downloaded."""
+
+
+class LocalStore(Store):
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.uri = str(self.root)
+
+    def _path(self, name: str) -> Path:
+        return self.root / name
+
+    def read(self, name: str) -> bytes:
+        return self._path(name).read_bytes()
+
+    def list(self, folder: str = "") -> list[Entry]:
+        out = []
+        try:
+            with os.scandir(self._path(folder)) as it:
+                for e in it:
+                    try:
+                        if e.is_file() and not e.name.endswith(".tmp"):
+                            st = e.stat()
+                            out.append(Entry(e.name, st.st_size, st.st_mtime))
+                    except FileNotFoundError:
+                        pass        # deleted while listed
+        except FileNotFoundError:
+            return []
+        return sorted(out, key=lambda e: e.name)
+
+    def _tmp_write(self, final: Path, data: bytes) -> Path:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / tmp_name(final.name)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(final, e) from e
+        return tmp
+
+    def put_new(self, name: str, data: bytes) -> bool:
+        final = self._path(name)
+        tmp = self._tmp_write(final, data)
+        try:
+            os.link(tmp, final)          # atomic, and fails if `final` exists: create-if-absent
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise StorageError(final, e) from e
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(final.parent)
+        return True
+
+    def publish(self, name: str, data: bytes) -> None:
+        final = self._path(name)
+        tmp = self._tmp_write(final, data)
+        try:
+            os.replace(tmp, final)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(final, e) from e
+
+    def delete(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+
+    def upload(self, name: str, local: Path) -> None:
+        final = self._path(name)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / tmp_name(final.name)
+        try:
+            shutil.copyfile(local, tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(final, e) from e
+
+    def download(self, name: str, local: Path) -> None:
+        shutil.copyfile(self._path(name), local)
+
+    def check(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"{self.root} is not a folder")
+
+    def url(self, name: str) -> str:
+        return str(self._path(name))
+
+    def arrow_filesystem(self):
+        import pyarrow.fs as pafs
+        return pafs.LocalFileSystem()
+
+
+def _transient(e: BaseException) -> bool:
+    """Whether `e` may pass if tried again: the endpoint down or slow, throttling, a 5xx."""
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    name = type(e).__name__
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ClientConnectorError",
+                "ServerDisconnectedError", "ClientOSError", "ConnectionClosedError", "ServerTimeoutError"):
+        return True
+    text = str(e)
+    if any(s in text for s in ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500 ", "RequestTimeout")):
+        return True
+    if isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE):
+        return True
+    cause = e.__cause__ or e.__context__
+    return cause is not None and cause is not e and _transient(cause)
+
+
+def _mtime(info: dict) -> float:
+    t = info.get("LastModified") or info.get("mtime") or info.get("last_modified") or 0.0
+    return t.timestamp() if hasattr(t, "timestamp") else float(t)
+
+
+class FsspecStore(Store):
+    """An object store through fsspec (s3fs for s3://). Writes are single PUTs of whole objects."""
+
+    def __init__(self, uri: str, *, retry_s: float = DEFAULT_RETRY_S):
+        import fsspec
+
+        self.uri = uri.rstrip("/")
+        self.scheme, rest = self.uri.split("://", 1)
+        self.root = rest
+        self.bucket = rest.split("/", 1)[0]
+        self.retry_s = retry_s
+        # Few retries inside s3fs and botocore: `_retry` owns the backoff, so retry_s bounds the wait.
+        opts = ({"config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
+                                                  "retries": {"max_attempts": 2, "mode": "standard"}}}
+                if self.scheme == "s3" else {})
+        try:
+            self.fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **opts)
+            if self.scheme == "s3":
+                self.fs.retries = 2
+        except ImportError as e:
+            extra = "s3" if self.scheme == "s3" else "the fsspec package for " + self.scheme
+            raise StoreError(f"{self.uri}: cannot use {self.scheme}:// ({e}); install it: pip install -e '.[{extra}]'") from e
+
+    def _key(self, name: str) -> str:
+        return f"{self.root}/{name}" if name else self.root
+
+    def endpoint(self) -> str:
+        return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        """fn(), tried again with backoff (0.2 s doubling to 5 s) while it fails transiently, up to retry_s."""
+        deadline, delay, warned = time.monotonic() + self.retry_s, 0.2, False
+        while True:
+            try:
+                return fn()
+            except StoreError:
+                raise
+            except Exception as e:
+                if not _transient(e):
+                    if self._misconfigured(e):     # no bucket, bad credentials: one clear error
+                        raise StoreError(self._explain(e)) from e
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(self._explain(e) + f" (retried for {self.retry_s:.0f} s)") from e
+                if not warned:
+                    log.warning("%s %s/%s failed (%s: %s); retrying for up to %.0f s", what, self.uri, "",
+                                type(e).__name__, e, self.retry_s)
+                    warned = True
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 5.0)
+
+    def read(self, name: str) -> bytes:
+        return self._retry("read", lambda: self.fs.cat_file(self._key(name)))
+
+    def list(self, folder: str = "") -> list[Entry]:
+        key = self._key(folder)
+
+        def ls():
+            self.fs.invalidate_cache(key)
+            try:
+                infos = self.fs.ls(key, detail=True, refresh=True)
+            except FileNotFoundError as e:
+                if "bucket" in str(e).lower():
+                    raise
+                return []
+            return [Entry(i["name"].rsplit("/", 1)[-1], int(i.get("size") or 0), _mtime(i))
+                    for i in infos if i.get("type") == "file"]
+
+        return sorted(self._retry("list", ls), key=lambda e: e.name)
+
+    def put_new(self, name: str, data: bytes) -> bool:
+        def put():
+            try:
+                self.fs.pipe_file(self._key(name), data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+        return self._retry("put", put)
+
+    def publish(self, name: str, data: bytes) -> None:
+        self._retry("put", lambda: self.fs.pipe_file(self._key(name), data))
+
+    def delete(self, name: str) -> None:
+        def rm():
+            try:
+                self.fs.rm_file(self._key(name))
+            except FileNotFoundError:
+                pass
+        self._retry("delete", rm)
+
+    def upload(self, name: str, local: Path) -> None:
+        self._retry("upload", lambda: self.fs.put_file(str(local), self._key(name)))
+
+    def download(self, name: str, local: Path) -> None:
+        self._retry("download", lambda: self.fs.get_file(self._key(name), str(local)))
+
+    def check(self) -> None:
+        probe = f".check-{uuid.uuid4().hex[:8]}"
+        try:
+            self.fs.ls(self.bucket, refresh=True)
+            self.fs.pipe_file(self._key(probe), b"", mode="create")
+            self.fs.rm_file(self._key(probe))
+        except Exception as e:
+            raise StoreError(self._explain(e)) from e
+
+    @staticmethod
+    def _misconfigured(e: Exception) -> bool:
+        low = f"{type(e).__name__}: {e}".lower()
+        return (isinstance(e, PermissionError) or ("bucket" in low and ("not exist" in low or "nosuchbucket" in low))
+                or any(s in low for s in ("credential", "accessdenied", "access denied", "invalidaccesskeyid",
+                                          "signaturedoesnotmatch", "forbidden")))
+
+    def _explain(self, e: Exception) -> str:
+        text = f"{type(e).__name__}: {e}"
+        low = text.lower()
+        if "bucket" in low and ("not exist" in low or "nosuchbucket" in low):
+            return f"{self.uri}: the bucket {self.bucket!r} does not exist at {self.endpoint()} ({e}); create it first"
+        if any(s in low for s in ("credential", "accessdenied", "access denied", "invalidaccesskeyid",
+                                   "signaturedoesnotmatch", "forbidden", "permission")) or isinstance(e, PermissionError):
+            return (f"{self.uri}: the credentials were rejected at {self.endpoint()} ({text}); set "
+                    f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE for this bucket")
+        if _transient(e) or "connect" in low or "endpoint" in low:
+            return (f"{self.uri}: cannot reach the endpoint {self.endpoint()} ({text}); check AWS_ENDPOINT_URL "
+                    f"and that the server is up")
+        return f"{self.uri}: {text}"
+
+    def url(self, name: str) -> str:
+        return f"{self.scheme}://{self._key(name)}"
+
+    def arrow_filesystem(self):
+        import pyarrow.fs as pafs
+        return pafs.PyFileSystem(pafs.FSSpecHandler(self.fs))
+
+    def register(self, con) -> None:
+        con.register_filesystem(self.fs)
+
+
+# -- immutable numbered objects: the compare-and-swap of object stores -------------------------
+
+class Conflict(BufferError):
+    """Another writer created the next number first; read again and retry."""
+
+
+class Numbered:
+    """A small JSON state kept as `folder/stem-<n>.json`, n = 1, 2, ...; the newest is the state.
+
+    `update(fn)` reads the newest (n, state), computes fn(state) and creates n + 1 with put_new;
+    if another writer created n + 1 first, it reads again and retries. A reader lists, then reads
+    the highest number; one deleted in between is read again from a fresh listing.
+
+    Old numbers are deleted once `keep` newer ones exist and the newest is `grace_s` younger than
+    them (both times by the store's clock). A writer whose read is older than grace_s / 2 by the time
+    it would create n + 1 reads again, so it can never re-create a number already deleted (which
+    would go unseen: not the newest) and lose its update. The same assumption as the buffer's
+    compaction grace: no process pauses for grace_s / 2 between two of its own lines.
+    """
+
+    def __init__(self, store: Store, folder: str, stem: str, *, keep: int = 8, grace_s: float = 300.0):
+        self.store, self.folder, self.stem = store, folder.strip("/"), stem
+        self.keep, self.grace_s = keep, grace_s
+
+    def _name(self, n: int) -> str:
+        return f"{self.folder}/{self.stem}-{n:012d}.json"
+
+    def _numbers(self) -> list[tuple[int, float]]:
+        out = []
+        for e in self.store.list(self.folder):
+            head, _, tail = e.name.removesuffix(".json").rpartition("-")
+            if head == self.stem and e.name.endswith(".json") and tail.isdigit():
+                out.append((int(tail), e.mtime))
+        return sorted(out)
+
+    def read(self) -> tuple[int, dict | None]:
+        """(n, state) of the newest; (0, None) when there is none."""
+        for _ in range(10):
+            numbers = self._numbers()
+            if not numbers:
+                return 0, None
+            n = numbers[-1][0]
+            try:
+                raw = self.store.read(self._name(n))
+            except FileNotFoundError:
+                continue    # pruned between the listing and the read: list again
+            try:
+                return n, json.loads(raw)
+            except ValueError as e:
+                raise BufferError(f"unreadable {self.store.uri}/{self._name(n)}: {e}") from e
+        raise BufferError(f"{self.store.uri}/{self.folder}: {self.stem} kept changing while being read")
+
+    def create(self, n: int, state: dict) -> bool:
+        """Make `state` number n; False if n exists (another writer was first)."""
+        ok = self.store.put_new(self._name(n), json.dumps(state, sort_keys=True).encode())
+        if ok and n > self.keep:
+            self.prune()
+        return ok
+
+    def update(self, fn: Callable[[dict | None], dict | None], *, attempts: int = 100) -> tuple[int, dict | None]:
+        """Apply fn to the newest state until this writer's n + 1 is the one created; (n, state) written.
+        fn returning None leaves the state as it is (nothing written)."""
+        for _ in range(attempts):
+            started = time.monotonic()
+            n, state = self.read()
+            new = fn(state)
+            if new is None:
+                return n, state
+            if time.monotonic() - started > self.grace_s / 2:
+                continue        # read too long ago: n + 1 may be an old number already pruned
+            if self.create(n + 1, new):
+                return n + 1, new
+            time.sleep(random.random() * 0.05)
+        raise Conflict(f"{self.store.uri}/{self.folder}: {attempts} writers were first at {self.stem}; giving up")
+
+    def prune(self) -> int:
+        """Delete the numbers that `keep` newer ones and `grace_s` of age allow; how many."""
+        numbers = self._numbers()
+        if len(numbers) <= self.keep:
+            return 0
+        newest_n, newest_t = numbers[-1]
+        old = [n for n, t in numbers if n <= newest_n - self.keep and newest_t - t >= self.grace_s]
+        for n in old:
+            self.store.delete(self._name(n))
+        return len(old)
+
+
+class LeaseHeld(BufferError):
+    """Another process holds the lease; the message names it."""
+
+
+def _dead_here(state: dict) -> bool:
+    """Whether a lease's holder was a process of this host that is gone (killed): free at once, as a
+    local lock file's would be."""
+    return state.get("host") == os.uname().nodename and not pid_alive(int(state.get("pid", -1)))
+
+
+class Lease:
+    """One holder of a role at a time (the trainer of a run), on any store.
+
+    The lease is a Numbered state {holder, host, pid, expires}. `acquire` takes it when there is none,
+    the current one expired (its holder stopped renewing: killed elsewhere), or its holder was a process
+    of this host that is gone (killed here: no need to wait), by creating the next number:
+    of two racing, one wins. `renew` extends it (the holder's own next number); a holder whose renew
+    finds someone else's newer lease has lost it and must stop (fencing: `LeaseHeld`).
+    """
+
+    def __init__(self, store: Store, folder: str, role: str, *, ttl_s: float = 30.0):
+        self.numbered = Numbered(store, folder, role, grace_s=max(60.0, 4 * ttl_s))
+        self.role, self.ttl_s = role, ttl_s
+        self.holder = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.epoch: int | None = None
+
+    def _mine(self, now: float) -> dict:
+        return {"holder": self.holder, "host": os.uname().nodename, "pid": os.getpid(), "expires": now + self.ttl_s}
+
+    def acquire(self) -> None:
+        def take(state):
+            now = time.time()
+            if (state is not None and state["holder"] != self.holder and state["expires"] > now
+                    and not _dead_here(state)):
+                raise LeaseHeld(f"{self.numbered.store.uri}: another {self.role} holds this run "
+                                f"(pid {state['pid']} on {state['host']}, lease valid for "
+                                f"{state['expires'] - now:.0f} s more); stop it first, or wait until its lease "
+                                f"expires if it was killed")
+            return self._mine(now)
+        self.epoch, _ = self.numbered.update(take)
+
+    def renew(self) -> None:
+        n, state = self.numbered.read()
+        if state is None or state["holder"] != self.holder:
+            raise LeaseHeld(f"{self.numbered.store.uri}: this {self.role} lost its lease to "
+                            f"{state and state['holder']}; stopping")
+        if not self.numbered.create(n + 1, self._mine(time.time())):
+            raise LeaseHeld(f"{self.numbered.store.uri}: this {self.role} lost its lease while renewing; stopping")
+        self.epoch = n + 1
+
+    def release(self) -> None:
+        def drop(state):
+            if state is None or state["holder"] != self.holder:
+                return None
+            return {**state, "expires": 0.0}
+        self.numbered.update(drop)
+
+
+# -- paths on a store: what the buffer's code uses of pathlib.Path ----------------------------
+
+class RemotePath:
+    """A file or folder on an object store with the few pathlib.Path methods the buffer uses, so
+    one code path serves a local run (pathlib.Path) and a remote one. Folders do not exist on
+    object stores: mkdir does nothing, and a folder exists when something is under it."""
+
+    def __init__(self, store: "FsspecStore", key: str, entry: Entry | None = None):
+        self.store, self.key = store, key.strip("/")
+        self.entry = entry   # size and time from the listing that found it: stat() needs no request
+
+    # -- names ---------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    @property
+    def stem(self) -> str:
+        return self.name.rsplit(".", 1)[0] if "." in self.name else self.name
+
+    @property
+    def suffix(self) -> str:
+        return "." + self.name.rsplit(".", 1)[1] if "." in self.name else ""
+
+    @property
+    def parent(self) -> "RemotePath":
+        return RemotePath(self.store, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
+
+    def with_name(self, name: str) -> "RemotePath":
+        return self.parent / name
+
+    def __truediv__(self, other) -> "RemotePath":
+        return RemotePath(self.store, f"{self.key}/{other}" if self.key else str(other))
+
+    def __str__(self) -> str:
+        return self.store.url(self.key)
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    def __eq__(self, other) -> bool:   # by URL: the same object reached from two roots is equal
+        return isinstance(other, RemotePath) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __lt__(self, other: "RemotePath") -> bool:
+        return str(self) < str(other)
+
+    def absolute(self) -> "RemotePath":
+        return self
+
+    # -- what is there -----------------------------------------------------------
+    def iterdir(self):
+        return (RemotePath(self.store, f"{self.key}/{e.name}", e) for e in self.store.list(self.key))
+
+    def glob(self, pattern: str):
+        import fnmatch
+        return (p for p in self.iterdir() if fnmatch.fnmatchcase(p.name, pattern))
+
+    def is_file(self) -> bool:
+        return any(e.name == self.name for e in self.store.list(self.parent.key))
+
+    def is_dir(self) -> bool:
+        def ls():
+            try:
+                return bool(self.store.fs.ls(self.store._key(self.key), refresh=True))
+            except FileNotFoundError:
+                return False
+        return self.store._retry("list", ls)
+
+    def exists(self) -> bool:
+        return self.is_file() or self.is_dir()
+
+    def stat(self):
+        """Size and time (st_ino 0: names are never reused); from the listing that found it, if one did."""
+        from types import SimpleNamespace
+        e = self.entry or next((e for e in self.store.list(self.parent.key) if e.name == self.name), None)
+        if e is None:
+            raise FileNotFoundError(str(self))
+        return SimpleNamespace(st_size=e.size, st_mtime=e.mtime, st_mtime_ns=int(e.mtime * 1e9), st_ino=0)
+
+    # -- reading and writing -----------------------------------------------------
+    def read_bytes(self) -> bytes:
+        return self.store.read(self.key)
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_bytes(self, data: bytes) -> None:
+        self.store.publish(self.key, data)
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode())
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        if not missing_ok and not self.is_file():
+            raise FileNotFoundError(str(self))
+        self.store.delete(self.key)
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        pass
+
+    # -- for pyarrow and DuckDB ---------------------------------------------------
+    def arrow(self) -> tuple[str, object]:
+        """(path, filesystem) for pyarrow's readers."""
+        return self.store._key(self.key), self.store.fs
+
+
+def store_path(root: str | os.PathLike, *, retry_s: float = DEFAULT_RETRY_S):
+    """A pathlib.Path for a local folder, a RemotePath for an s3:// (gs://, az://) URI."""
+    if is_remote(root):
+        store = FsspecStore(str(root), retry_s=retry_s)
+        return RemotePath(store, "")
+    return Path(root)
+
+
+def arrow_source(path) -> tuple[object, object | None]:
+    """(source, filesystem) for pq.ParquetFile / read_table / read_metadata, for either kind of path."""
+    return path.arrow() if isinstance(path, RemotePath) else (path, None)
+
+
+def parquet_file(path, **kw):
+    import pyarrow.parquet as pq
+    source, fs = arrow_source(path)
+    if fs is None:
+        return pq.ParquetFile(source, **kw)
+    return pq.ParquetFile(fs.open(source, "rb"), **kw)
+
+
+def read_table(path, **kw):
+    import pyarrow.parquet as pq
+    source, fs = arrow_source(path)
+    return pq.read_table(source, filesystem=fs, **kw) if fs is not None else pq.read_table(source, **kw)
+
+
+def read_metadata(path):
+    import pyarrow.parquet as pq
+    source, fs = arrow_source(path)
+    if fs is None:
+        return pq.read_metadata(source)
+    with fs.open(source, "rb") as f:
+        return pq.read_metadata(f)
+
+
+def list_entries(folder) -> dict[str, Entry | None]:
+    """list_names with each remote file's Entry (None for a local file: stat() it)."""
+    if isinstance(folder, RemotePath):
+        return {e.name: e for e in folder.store.list(folder.key)}
+    return dict.fromkeys(os.listdir(folder))
+
+
+def list_names(folder) -> list[str]:
+    """Names of the files directly in `folder` (a Path or RemotePath); FileNotFoundError if it is missing
+    (a local folder) — a remote folder with nothing in it is empty."""
+    if isinstance(folder, RemotePath):
+        return [e.name for e in folder.store.list(folder.key)]
+    return os.listdir(folder)
+
+
+class LeaseLock:
+    """filelock.FileLock's interface (acquire(timeout), release, is_locked, `with`, re-entrant) on a
+    store, built on `Lease`: acquiring waits while another process holds it, a thread renews it while
+    held, and a holder killed with -9 frees it `ttl_s` later."""
+
+    def __init__(self, path: RemotePath, *, ttl_s: float = 30.0, poll_s: float = 0.25):
+        self.path, self.ttl_s, self.poll_s = path, ttl_s, poll_s
+        self._lease = Lease(path.store, path.key, "lock", ttl_s=ttl_s)
+        self._count = 0
+        self._guard = threading.RLock()
+        self._stop = None
+
+    @property
+    def is_locked(self) -> bool:
+        return self._count > 0
+
+    def acquire(self, timeout: float = -1, poll_interval: float | None = None):
+        from filelock import Timeout
+
+        with self._guard:
+            if self._count:
+                self._count += 1
+                return self
+            deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+            while True:
+                try:
+                    self._lease.acquire()
+                    break
+                except LeaseHeld:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise Timeout(str(self.path)) from None
+                    time.sleep(poll_interval or self.poll_s)
+            self._count = 1
+            self._start_renewing()
+            return self
+
+    def _start_renewing(self) -> None:
+        stop = self._stop = threading.Event()
+
+        def renew():
+            while not stop.wait(self.ttl_s / 3):
+                try:
+                    self._lease.renew()
+                except LeaseHeld:
+                    log.error("lost the lock %s (renewal came too late); its holder will stop at its next write",
+                              self.path)
+                    return
+                except Exception as e:   # the store down a while: try again at the next tick
+                    log.warning("could not renew the lock %s: %s", self.path, e)
+
+        threading.Thread(target=renew, daemon=True, name=f"lease-{self.path.name}").start()
+
+    def release(self, force: bool = False) -> None:
+        with self._guard:
+            if not self._count:
+                return
+            self._count = 0 if force else self._count - 1
+            if self._count:
+                return
+            if self._stop is not None:
+                self._stop.set()
+            self._lease.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def store_lock(path):
+    """A lock at `path`: filelock.FileLock locally, LeaseLock on an object store."""
+    if isinstance(path, RemotePath):
+        return LeaseLock(path)
+    from filelock import FileLock
+    return FileLock(str(path))
+
+
+def move(src, dst) -> None:
+    """os.replace for either kind of path; on an object store a copy, then the delete (FileNotFoundError
+    if `src` is gone)."""
+    if isinstance(src, RemotePath):
+        dst.write_bytes(src.read_bytes())
+        src.unlink(missing_ok=True)
+    else:
+        os.replace(src, dst)

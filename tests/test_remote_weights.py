@@ -1,0 +1,121 @@
+"""workers.remote_weights on a real S3 API server: the trainer uploads a version, a generator's cache
+downloads and verifies it, and the model loaded from the cache gives the trainer's greedy output;
+a killed upload is never visible, a damaged object is never loaded, the cache stays bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+import torch
+
+from buffer.store import open_store
+from tests.helpers.s3server import S3Server
+from workers.model import init_model, load_model, load_tokenizer
+from workers.remote_weights import COMPLETE, RemoteWeights, WeightsError
+
+
+@pytest.fixture(scope="module")
+def s3server():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def run(s3server, monkeypatch):
+    for k, v in s3server.env.items():
+        monkeypatch.setenv(k, v)
+    bucket = s3server.create_bucket(f"w-{uuid.uuid4().hex[:8]}")
+    return open_store(f"s3://{bucket}/run")
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("m") / "tiny"
+    init_model(folder, seed=3)
+    return folder
+
+
+def _greedy(folder, prompt="12+7=") -> list[int]:
+    tok, model = load_tokenizer(folder), load_model(folder)
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    return out[0].tolist()
+
+
+def test_upload_then_fetch_loads_the_same_model(run, model_folder, tmp_path):
+    trainer = RemoteWeights(run)
+    assert trainer.latest() is None
+    trainer.upload(model_folder, 1)
+    assert trainer.latest() == 1
+    gen = RemoteWeights(open_store(run.uri), cache=tmp_path / "cache")
+    folder = gen.fetch(gen.latest())
+    assert folder == tmp_path / "cache" / "v00000001"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in model_folder.iterdir())
+    for p in model_folder.iterdir():
+        assert (folder / p.name).read_bytes() == p.read_bytes()
+    assert gen.verify_cached(1)
+    assert _greedy(folder) == _greedy(model_folder)
+    with pytest.raises(FileExistsError, match="already published"):
+        trainer.upload(model_folder, 1)
+
+
+def test_a_killed_upload_is_never_visible(run, model_folder, tmp_path):
+    """An upload killed after its files but before COMPLETE.json: not LATEST, and fetch refuses it."""
+    trainer = RemoteWeights(run)
+    trainer.upload(model_folder, 1)
+    for p in model_folder.iterdir():                       # version 2's files, then the kill
+        run.upload(f"weights/v00000002/{p.name}", p)
+    assert trainer.latest() == 1
+    gen = RemoteWeights(open_store(run.uri), cache=tmp_path / "cache")
+    with pytest.raises(WeightsError, match=r"v00000002 is not published \(no COMPLETE\.json"):
+        gen.fetch(2)
+    assert not (tmp_path / "cache" / "v00000002").exists()
+    trainer.upload(model_folder, 2)                        # the restarted trainer publishes it again
+    assert trainer.latest() == 2 and gen.fetch(2).is_dir()
+
+
+def test_a_damaged_object_is_never_loaded(run, model_folder, tmp_path):
+    trainer = RemoteWeights(run)
+    trainer.upload(model_folder, 1)
+    listing = json.loads(run.read(f"weights/v00000001/{COMPLETE}"))
+    name = next(n for n in listing if n.endswith(".safetensors"))
+    data = bytearray(run.read(f"weights/v00000001/{name}"))
+    data[-1] ^= 0xFF                                         # same size, one bit flipped
+    run.publish(f"weights/v00000001/{name}", bytes(data))
+    gen = RemoteWeights(open_store(run.uri), cache=tmp_path / "cache")
+    with pytest.raises(WeightsError, match=rf"{name}: \d+ bytes that do not match COMPLETE\.json"):
+        gen.fetch(1)
+    assert not (tmp_path / "cache" / "v00000001").exists()
+    assert os.listdir(tmp_path / "cache" / "tmp") == []     # the partial download is gone
+
+
+def test_the_cache_keeps_the_newest_versions(run, model_folder, tmp_path):
+    trainer = RemoteWeights(run)
+    gen = RemoteWeights(open_store(run.uri), cache=tmp_path / "cache", keep=2)
+    for v in range(1, 5):
+        trainer.upload(model_folder, v)
+        gen.fetch(v)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.name != "tmp") == ["v00000003", "v00000004"]
+    gen.fetch(1)                                             # an old version asked for again: kept while in use
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.name != "tmp") == ["v00000001", "v00000004"]
+
+
+def test_a_killed_download_is_cleaned_and_never_loaded(run, model_folder, tmp_path):
+    """What a generator killed mid-download leaves (cache/tmp/<its pid>-...) is removed by the next
+    one, which downloads the version whole."""
+    import subprocess
+    import sys
+
+    RemoteWeights(run).upload(model_folder, 1)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    partial = tmp_path / "cache" / "tmp" / f"{dead.stdout.strip()}-abcd1234-v00000001"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"half")
+    gen = RemoteWeights(open_store(run.uri), cache=tmp_path / "cache")
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+    assert gen.fetch(1).is_dir() and gen.verify_cached(1)

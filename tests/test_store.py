@@ -1,0 +1,220 @@
+"""buffer.store on a local folder and on a real S3 API server (moto's, on 127.0.0.1): create-if-absent
+under races, numbered states without lost updates, the single-holder lease, clear errors for a
+missing bucket, rejected credentials and an unreachable endpoint, retries while the endpoint is
+down, and SQL over the bucket without downloading a DuckDB extension."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from buffer.store import Lease, LeaseHeld, Numbered, StoreError, open_store
+from tests.helpers.s3server import S3Server
+
+
+@pytest.fixture(scope="module")
+def s3server():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3env(s3server, monkeypatch):
+    for k, v in s3server.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return s3server
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path):
+    """A fresh store root: a local folder, or a fresh prefix in a bucket of the S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "run")
+    server = request.getfixturevalue("s3env")
+    bucket = f"b-{uuid.uuid4().hex[:8]}"
+    server.create_bucket(bucket)
+    return f"s3://{bucket}/runs/r1"
+
+
+def test_put_new_is_create_if_absent_under_a_race(root):
+    store = open_store(root)
+    results: dict[int, bool] = {}
+
+    def put(i):
+        results[i] = open_store(root).put_new("writers/w-000001.json", f"writer {i}".encode())
+
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, ok in results.items() if ok]
+    assert len(results) == 8 and len(winners) == 1
+    assert store.read("writers/w-000001.json") == f"writer {winners[0]}".encode()
+    assert store.put_new("writers/w-000001.json", b"late") is False
+    assert store.read("writers/w-000001.json") == f"writer {winners[0]}".encode()
+
+
+def test_publish_read_list_delete(root):
+    store = open_store(root)
+    assert store.list("shards") == []
+    store.publish("shards/b.parquet", b"bb")
+    store.publish("shards/a.parquet", b"a")
+    store.publish("shards/sub/x.parquet", b"x")      # in a subfolder: not listed with shards/
+    assert [(e.name, e.size) for e in store.list("shards")] == [("a.parquet", 1), ("b.parquet", 2)]
+    store.delete("shards/a.parquet")
+    store.delete("shards/a.parquet")                  # a missing one is fine
+    assert [e.name for e in store.list("shards")] == ["b.parquet"]
+    with pytest.raises(FileNotFoundError):
+        store.read("shards/a.parquet")
+
+
+def test_numbered_updates_lose_nothing_under_contention(root):
+    """4 writers each add 1 to a counter 15 times through Numbered.update: the count is exactly 60 and
+    every number from 1 to 60 was created once (the 8 newest are kept)."""
+    def work():
+        n = Numbered(open_store(root), "state", "counter")
+        for _ in range(15):
+            n.update(lambda s: {"count": (s or {"count": 0})["count"] + 1})
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    numbered = Numbered(open_store(root), "state", "counter")
+    assert numbered.read() == (60, {"count": 60})
+    names = [e.name for e in open_store(root).list("state")]
+    assert names == [f"counter-{n:012d}.json" for n in range(1, 61)]    # all younger than the grace
+
+
+def test_numbered_prunes_old_numbers_after_the_grace(root):
+    numbered = Numbered(open_store(root), "state", "s", keep=3, grace_s=1.0)
+    for i in range(5):
+        numbered.update(lambda s, i=i: {"i": i})
+    assert numbered.prune() == 0                        # 5 numbers, but all younger than the grace
+    time.sleep(1.2)
+    numbered.update(lambda s: {"i": 5})                 # number 6, 1.2 s newer than 1..5: 1..3 go
+    assert [e.name for e in open_store(root).list("state")] == [f"s-{n:012d}.json" for n in (4, 5, 6)]
+    assert numbered.read() == (6, {"i": 5})
+
+
+def test_a_slow_writer_reads_again_instead_of_recreating_a_pruned_number(root):
+    """A writer whose fn takes longer than grace_s / 2 never creates from its old read."""
+    numbered = Numbered(open_store(root), "state", "s", keep=1, grace_s=0.4)
+    numbered.update(lambda s: {"count": 1})
+    calls = []
+
+    def slow_then_fast(state):
+        calls.append(state["count"])
+        if len(calls) == 1:
+            time.sleep(0.3)                              # > grace_s / 2: this read is not used
+            Numbered(open_store(root), "state", "s", keep=1, grace_s=0.4).update(lambda s: {"count": s["count"] + 1})
+        return {"count": state["count"] + 1}
+
+    assert numbered.update(slow_then_fast) == (3, {"count": 3})
+    assert calls == [1, 2]
+
+
+def test_lease_refuses_a_second_holder_until_the_first_expires(root):
+    store = open_store(root)
+    first = Lease(store, "leases", "trainer", ttl_s=1.5)
+    first.acquire()
+    second = Lease(open_store(root), "leases", "trainer", ttl_s=1.5)
+    with pytest.raises(LeaseHeld, match=r"another trainer holds this run \(pid \d+ on "):
+        second.acquire()
+    first.renew()                                  # the holder keeps it
+    time.sleep(1.7)                                # ... until it stops renewing (killed)
+    second.acquire()
+    with pytest.raises(LeaseHeld, match="lost its lease"):
+        first.renew()                              # fenced: the old holder must stop
+    second.release()
+    Lease(store, "leases", "trainer").acquire()    # released: taken at once
+
+
+def test_sql_over_the_bucket_without_extensions(s3env):
+    import duckdb
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    s3env.create_bucket("sqlb")
+    store = open_store("s3://sqlb/run")
+    for i in range(3):
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.table({"version": [i, i], "reward": [1.0, float(i)]}), sink)
+        store.publish(f"shards/w-{i}.parquet", sink.getvalue().to_pybytes())
+    con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
+    store.register(con)
+    urls = [store.url(f"shards/{e.name}") for e in store.list("shards")]
+    assert con.sql(f"SELECT count(*), sum(reward) FROM read_parquet({urls!r})").fetchall() == [(6, 6.0)]
+    table = pq.read_table(store.url("shards/w-2.parquet").split("://", 1)[1], filesystem=store.arrow_filesystem())
+    assert table.column("reward").to_pylist() == [1.0, 2.0]
+
+
+def test_check_names_a_missing_bucket(s3env):
+    with pytest.raises(StoreError, match=r"the bucket 'nobucket' does not exist at http://127\.0\.0\.1:"):
+        open_store("s3://nobucket/run").check()
+
+
+def test_check_names_an_unreachable_endpoint(s3env, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")      # nothing listens on port 9
+    with pytest.raises(StoreError, match=r"cannot reach the endpoint http://127\.0\.0\.1:9 "):
+        open_store("s3://any/run", retry_s=0).check()
+
+
+def test_check_names_rejected_credentials(monkeypatch):
+    server = S3Server(auth=True)
+    try:
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        server.create_bucket("authb")
+        open_store("s3://authb/run").check()                          # the right key works
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        with pytest.raises(StoreError, match="the credentials were rejected"):
+            open_store("s3://authb/run").check()
+    finally:
+        server.stop()
+
+
+def test_writes_wait_for_the_endpoint_to_come_back(s3env):
+    s3env.create_bucket("retryb")
+    store = open_store("s3://retryb/run", retry_s=30)
+    store.publish("a", b"1")
+    s3env.relay.down()
+    threading.Timer(2.0, s3env.relay.up).start()
+    started = time.monotonic()
+    assert store.put_new("b", b"2") is True
+    assert 1.5 < time.monotonic() - started < 20
+    assert store.read("b") == b"2"
+    s3env.relay.down()
+    try:
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:
+            open_store("s3://retryb/run", retry_s=1).read("a")
+        assert time.monotonic() - started < 15
+        assert not isinstance(info.value, FileNotFoundError)
+    finally:
+        s3env.relay.up()
+
+
+def test_a_lease_of_a_killed_process_of_this_host_is_free_at_once(root):
+    import subprocess
+    import sys
+
+    code = ("import sys; from buffer.store import Lease, open_store; "
+            "Lease(open_store(sys.argv[1]), 'leases', 'trainer', ttl_s=600).acquire(); print('held', flush=True); "
+            "import time; time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code, root], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(LeaseHeld, match=rf"pid {p.pid} on "):
+            Lease(open_store(root), "leases", "trainer").acquire()
+    finally:
+        p.kill()
+        p.wait()
+    Lease(open_store(root), "leases", "trainer").acquire()      # its holder is gone: no 600 s wait

@@ -1,0 +1,163 @@
+"""Published weights on object storage, and the bounded local cache generators load them from (issue 18).
+
+```
+<run>/weights/                      on the store (s3://bucket/prefix/weights/)
+  v00000012/<file>                  the files of an HF folder, uploaded one by one
+  v00000012/COMPLETE.json           written last, create-if-absent: {file: [size, sha256]}
+  latest/latest-<n>.json            numbered states, the newest wins: {"version": 12}
+<cache>/                            on the generator's machine
+  v00000012/                        a verified download; loaded by the backend like any HF folder
+  tmp/                              downloads in flight
+```
+
+The trainer uploads a version's files, then COMPLETE.json, then the next LATEST state; so a
+version is visible only once every file is there, and a trainer killed mid-upload leaves files
+nobody reads (COMPLETE.json absent; the next upload of that version replaces them). A generator
+downloads into tmp/, checks every file's size and SHA-256 against COMPLETE.json, then renames the
+folder into the cache: a partial or damaged download is never loaded. The cache keeps the
+`keep` newest versions (and never deletes the one being returned).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from buffer.atomic import BufferError, pid_alive, fsync_dir
+from buffer.store import Numbered, Store
+from workers.weights import version_name
+
+COMPLETE = "COMPLETE.json"
+
+
+class WeightsError(BufferError):
+    """A published version that cannot be used (damaged upload, missing files); names it."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class RemoteWeights:
+    """The weights/ folder of a run on a Store; `cache` is a local folder for downloads (generators)."""
+
+    def __init__(self, store: Store, *, folder: str = "weights", cache: str | os.PathLike | None = None,
+                 keep: int = 2):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep!r}")
+        self.store, self.folder, self.keep = store, folder.strip("/"), keep
+        self.cache = Path(cache) if cache is not None else None
+        self._latest = Numbered(store, f"{self.folder}/latest", "latest")
+        if self.cache is not None:
+            self._clean_tmp()
+
+    def _clean_tmp(self) -> None:
+        """Remove downloads a killed process of this machine left in cache/tmp/ ('<pid>-...')."""
+        tmp = self.cache / "tmp"
+        if tmp.is_dir():
+            for p in tmp.iterdir():
+                pid = p.name.split("-", 1)[0]
+                if p.name.startswith("deleting-") or (pid.isdigit() and not pid_alive(int(pid))):
+                    shutil.rmtree(p, ignore_errors=True)
+
+    def _name(self, version: int, file: str = "") -> str:
+        return f"{self.folder}/{version_name(version)}/{file}".rstrip("/")
+
+    # -- the trainer ---------------------------------------------------------------------
+    def upload(self, local: str | os.PathLike, version: int) -> None:
+        """Upload the HF folder `local` as `version`, then make it LATEST. Re-uploading a complete
+        version is an error (published versions never change)."""
+        local = Path(local)
+        files = sorted(p for p in local.iterdir() if p.is_file())
+        if not files:
+            raise WeightsError(f"{local}: no files to upload as {version_name(version)}")
+        if self.is_complete(version):
+            raise FileExistsError(f"{self.store.uri}/{self._name(version)} is already published; "
+                                  f"published versions never change")
+        listing = {}
+        for p in files:
+            self.store.upload(self._name(version, p.name), p)
+            listing[p.name] = [p.stat().st_size, _sha256(p)]
+        if not self.store.put_new(self._name(version, COMPLETE), json.dumps(listing, indent=1).encode()):
+            raise FileExistsError(f"{self.store.uri}/{self._name(version)} was completed by another writer")
+        self._latest.update(lambda s: {"version": max(version, (s or {}).get("version", -1))})
+
+    # -- readers -------------------------------------------------------------------------
+    def latest(self) -> int | None:
+        """The newest version made LATEST, or None before the first upload."""
+        _, state = self._latest.read()
+        return None if state is None else int(state["version"])
+
+    def is_complete(self, version: int) -> bool:
+        return any(e.name == COMPLETE for e in self.store.list(self._name(version)))
+
+    def fetch(self, version: int) -> Path:
+        """The cache folder of `version`, downloaded and verified if it is not there yet."""
+        if self.cache is None:
+            raise ValueError("RemoteWeights.fetch needs a cache folder")
+        final = self.cache / version_name(version)
+        if final.is_dir():
+            return final
+        try:
+            listing = json.loads(self.store.read(self._name(version, COMPLETE)))
+        except FileNotFoundError:
+            raise WeightsError(f"{self.store.uri}/{self._name(version)} is not published (no {COMPLETE}: "
+                               f"an upload in progress or killed)") from None
+        tmp = self.cache / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{final.name}"
+        tmp.mkdir(parents=True)
+        try:
+            for name, (size, sha) in sorted(listing.items()):
+                self.store.download(self._name(version, name), tmp / name)
+                got = (tmp / name).stat().st_size
+                if got != size or _sha256(tmp / name) != sha:
+                    raise WeightsError(f"{self.store.uri}/{self._name(version, name)}: {got} bytes that do "
+                                       f"not match {COMPLETE} ({size} bytes, sha256 {sha[:12]}...); not loaded")
+                with open(tmp / name, "rb") as f:
+                    os.fsync(f.fileno())
+            fsync_dir(tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not final.is_dir():     # another process of this machine was first: use its copy
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.prune_cache(keep_version=version)
+        return final
+
+    def prune_cache(self, *, keep_version: int | None = None) -> list[int]:
+        """Keep `keep` cached versions: `keep_version` (the one being loaded) and the newest others; the
+        versions deleted."""
+        if self.cache is None or not self.cache.is_dir():
+            return []
+        cached = sorted(int(p.name[1:]) for p in self.cache.iterdir()
+                        if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit())
+        if keep_version in cached:    # the version in use, and the keep - 1 newest of the others
+            others = [v for v in cached if v != keep_version]
+            doomed = others[:max(0, len(others) - (self.keep - 1))]
+        else:
+            doomed = cached[:max(0, len(cached) - self.keep)]
+        for v in doomed:
+            gone = self.cache / "tmp" / f"deleting-{uuid.uuid4().hex[:8]}-{version_name(v)}"
+            gone.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(self.cache / version_name(v), gone)   # out of sight at once, then deleted
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(gone, ignore_errors=True)
+        return doomed
+
+    def verify_cached(self, version: int) -> bool:
+        """Whether the cached copy of `version` still matches COMPLETE.json (sizes and SHA-256)."""
+        final = self.cache / version_name(version)
+        listing = json.loads(self.store.read(self._name(version, COMPLETE)))
+        return all((final / n).is_file() and (final / n).stat().st_size == size and _sha256(final / n) == sha
+                   for n, (size, sha) in listing.items())
