@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from buffer.atomic import pid_alive
 from pipeline.errors import DataError
 
 
@@ -45,8 +46,10 @@ def staged_dir(final: Path) -> Iterator[Path]:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):   # left by a killed attempt
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):   # left by a killed attempt (not a running one)
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     stage = final.parent / f".{final.name}.tmp-{os.getpid()}"
     stage.mkdir()
     try:
