@@ -19,7 +19,7 @@ from typing import Literal
 import tomli_w
 
 from buffer.layout import atomic_write_bytes
-from pipeline.schema import NONE, build, set_path, to_dict, toml_value
+from pipeline.schema import NONE, build, merge, set_path, to_dict, toml_value
 from workers.checks import ConfigError, is_int, is_num, require
 from workers.compactor import CompactorConfig
 from workers.generator import GeneratorConfig
@@ -263,5 +263,11 @@ def with_overrides(cfg: Config, overrides: list[str]) -> Config:
     return _resolve(to_dict(cfg), overrides, "--set")
 
 
+def with_tables(cfg: Config, tables: dict, overrides: list[str] | tuple[str, ...], where: str) -> Config:
+    """`cfg` with `tables` ({section: {key: value}}, as a config file holds them) and then `--set`
+    overrides laid on it, built and checked; errors say `where`."""
+    return _resolve(merge(to_dict(cfg), tables), overrides, where)
+
+
 __all__ = ["Config", "ConfigError", "ModelConfig", "RayConfig", "RunConfig", "load_config", "load_run_config",
-           "parse_override", "save_config", "with_overrides"]
+           "parse_override", "save_config", "with_overrides", "with_tables"]

@@ -34,10 +34,16 @@ class AblateError(Exception):
     """Bad ablation input (a value, a path), or a cell that failed; the message names it."""
 
 
+class DataError(Exception):
+    """Bad input to a command that turns a run's rollouts into something new (export, rescore): a
+    path, an option's value, a filter; the message names it."""
+
+
 # The library's user-facing errors, by module: a class whose module was never imported cannot
 # have been raised, so looking them up in sys.modules keeps a user error from importing torch.
 USER_ERRORS = [("buffer.layout", "BufferError"), ("pipeline.errors", "RunError"),
-               ("pipeline.errors", "AblateError"), ("workers.checks", "ConfigError"),
+               ("pipeline.errors", "AblateError"), ("pipeline.errors", "DataError"),
+               ("workers.checks", "ConfigError"),
                ("workers.model", "ModelError"), ("workers.tasks", "TaskError"),
                ("workers.trainer.session", "TrainerError"), ("workers.warmstart", "WarmstartError")]
 

@@ -3,5 +3,6 @@
     data         sql, status, compact, demo           (a buffer or run directory)
     daemons      run, generate, train, compactor, eval, init-model, warmstart
     experiments  config, ablate
+    reuse        export, rescore                      (a run's stored rollouts)
     options      what the commands share (CONFIG, --set, logging)
 """
