@@ -761,3 +761,19 @@ def move(src, dst) -> None:
         src.unlink(missing_ok=True)
     else:
         os.replace(src, dst)
+
+
+def as_path(path):
+    """`path` as the buffer's code uses it: a RemotePath or a pathlib.Path stays as it is; a string or
+    os.PathLike becomes one (store_path)."""
+    return path if isinstance(path, (Path, RemotePath)) else store_path(path)
+
+
+def remove_tree(path) -> None:
+    """shutil.rmtree for either kind of path (on an object store: every object under the prefix)."""
+    if isinstance(path, RemotePath):
+        key = path.store._key(path.key)
+        path.store._retry("delete", lambda: path.store.fs.rm(key, recursive=True) if path.store.fs.exists(key)
+                          else None)
+    else:
+        shutil.rmtree(path)

@@ -36,7 +36,7 @@ from pipeline.config import save_config
 from pipeline.errors import RunError
 from pipeline.progress import Progress, progress_line, progress_table
 from pipeline.rundir import evaluate_folder, prepare_model, read_run_info, write_run_info
-from workers.weights import WeightStore
+from workers.remote_weights import open_weights, work_dir
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -145,7 +145,7 @@ class Supervisor:
     def __init__(self, run_dir: Path, cfg: Config, *, resume: bool, launcher: Launcher | None = None):
         self.run, self.cfg = run_dir, cfg
         self.launcher = launcher or LocalLauncher(cfg)
-        logs, make = run_dir / "logs", self.launcher.daemon
+        logs, make = work_dir(run_dir) / "logs", self.launcher.daemon   # on this machine
         self.trainer = make("trainer", 0, "trainer",
                             trainer_argv(str(run_dir), resume=resume, ranks=self.launcher.trainer_ranks),
                             logs / "trainer.log")
@@ -249,7 +249,7 @@ def _run(run_dir: Path, cfg: Config, resume: bool, echo, launcher: Launcher) -> 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     sup.start()
     echo(f"started the trainer, {len(sup.generators)} generator(s){' and a compactor' if sup.helpers else ''}; "
-         f"logs in {run_dir / 'logs'}")
+         f"logs in {work_dir(run_dir) / 'logs'}")
     progress = Progress(run_dir, cfg)
     deadline = None if cfg.run.time_limit_s is None else time.time() + cfg.run.time_limit_s
     try:
@@ -297,7 +297,7 @@ def _watch(sup: Supervisor, progress: Progress, deadline: float | None, stop_rea
 
 def finish(run_dir: Path, cfg: Config, info: dict, snap: dict, echo) -> dict:
     """Evaluate the newest published weights and print the summary and queries to try."""
-    store = WeightStore(run_dir / "weights")
+    store = open_weights(run_dir)
     version = store.latest()
     after = evaluate_folder(cfg, store.folder(version)) if version is not None else info["eval_before"]
     summary = {"run_dir": str(run_dir), "eval_before": info["eval_before"], "eval_after": after,

@@ -8,7 +8,6 @@ lazily), so `--help` stays fast.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import click
 
 import buffer
 import workers.trainer
+from buffer.store import RemotePath, as_path, remove_tree
 from pipeline.commands.options import CONFIG_ARG, SET_OPT, run_config, setup_logging
 from pipeline.config import load_config, load_run_config, with_overrides
 from pipeline.errors import UserError, user_errors
@@ -27,7 +27,7 @@ from workers.generator import Admission, run_generator
 from workers.model import init_model, load_tokenizer
 from workers.rewards import Scorer
 from workers.tasks import load_task
-from workers.weights import WeightStore
+from workers.remote_weights import open_weights
 
 
 @click.command()
@@ -74,7 +74,9 @@ def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bo
     if launcher == "local" and address is not None and \
             click.get_current_context().get_parameter_source("address") == click.core.ParameterSource.COMMANDLINE:
         raise UserError("--address is for --launcher ray; add --launcher ray, or drop --address")
-    path = Path(run_dir)
+    path = as_path(run_dir)
+    if isinstance(path, RemotePath):
+        path.store.check()      # no bucket, bad credentials, endpoint down: one error (exit 2), nothing started
     if resume:
         if config is not None:
             raise UserError("--resume takes the config saved in the run directory; drop CONFIG "
@@ -91,7 +93,7 @@ def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bo
         where = RayLauncher(cfg, address=address)   # Ray missing: stopped here, before --force deletes anything
         path = path.absolute()                        # the daemons may start in another directory
     if not resume and path.exists() and any(path.iterdir()):
-        shutil.rmtree(path)
+        remove_tree(path)
     run_pipeline(path, cfg, resume=resume, echo=click.echo, launcher=where)
 
 
@@ -146,13 +148,13 @@ def train(run_dir: str, resume: bool, offline: bool, overrides: tuple[str, ...])
     """
     setup_logging()
     cfg = run_config(run_dir, overrides)
-    info = read_run_info(Path(run_dir))
+    info = read_run_info(as_path(run_dir))
     model = info.get("initial_model") or cfg.model.path
     if model is None:
         raise UserError(f"{run_dir!r} names no initial model (run.json missing); start it with "
                         "`asyncgrpo run`, or set model.path")
-    _check_model_matches_buffer(Path(run_dir), Path(model))
-    workers.trainer.run_trainer(Path(run_dir), cfg.trainer, model_folder=Path(model), resume=resume, offline=offline)
+    _check_model_matches_buffer(as_path(run_dir), Path(model))
+    workers.trainer.run_trainer(as_path(run_dir), cfg.trainer, model_folder=Path(model), resume=resume, offline=offline)
 
 
 def _check_model_matches_buffer(run_dir: Path, model: Path) -> None:
@@ -208,7 +210,7 @@ def eval_cmd(run_dir: str, version: int | None, size: int | None) -> None:
     cfg = run_config(run_dir)
     if size is not None:
         cfg = replace(cfg, run=replace(cfg.run, eval_size=size))
-    store = WeightStore(Path(run_dir) / "weights")
+    store = open_weights(as_path(run_dir))
     v = store.latest() if version is None else version
     if v is None:
         raise UserError(f"{run_dir!r} has no published weights yet")
