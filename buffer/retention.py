@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Literal
 
 from buffer.atomic import BufferError, atomic_file, atomic_write_bytes, clean_tmp_dir
 from buffer.layout import SHARD_SUFFIX, BufferDir
-from buffer.store import RemotePath, list_names, read_metadata, read_table
+from buffer.store import RemotePath, StoreError, list_names, read_metadata, read_table
 
 if TYPE_CHECKING:   # pyarrow is imported where used: `asyncgrpo --help` reaches this module
     import pyarrow.parquet as pq
@@ -192,6 +192,8 @@ def _footer_facts(path: Path, cache: dict, fresh: dict) -> tuple[int, int] | Non
         top = file_max(path, "version", meta)
     except FileNotFoundError:
         return None
+    except StoreError:   # the store unreachable: not a damaged file
+        raise
     except Exception:  # noqa: BLE001 - an unreadable footer: compaction and the index quarantine it
         return None
     if top is None:

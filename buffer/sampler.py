@@ -37,7 +37,7 @@ from filelock import Timeout
 from buffer.fileset import SOURCES_KEY, read_sources
 from buffer.index import ELIGIBLE, GroupIndex
 from buffer.layout import BufferDir, BufferError, atomic_file, is_ledger_c_name, is_ledger_name, ledger_range
-from buffer.store import list_names, move, parquet_file, store_lock
+from buffer.store import StoreError, list_names, move, parquet_file, store_lock
 from buffer.schema import LEDGER_SCHEMA, staleness
 
 Order = Literal["oldest", "newest", "uniform"]
@@ -271,6 +271,8 @@ class Sampler:
             try:
                 pf = parquet_file(path, page_checksum_verification=True)
                 t = pf.read_row_groups(missing)
+            except StoreError:   # the store unreachable: not a damaged file
+                raise
             except Exception as e:  # noqa: BLE001 - FileNotFound (deleted) or corrupt data pages
                 self.index.mark_unreadable(path, f"unreadable during pull: {type(e).__name__}: {e}")
                 return None

@@ -28,6 +28,7 @@ StoreError that says which.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
@@ -47,7 +48,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "abfs")
-DEFAULT_RETRY_S = 60.0
+DEFAULT_RETRY_S = float(os.environ.get("ASYNCGRPO_STORE_RETRY_S", "60"))
+"""How long a store operation is retried while the endpoint is unreachable or failing (seconds):
+$ASYNCGRPO_STORE_RETRY_S, default 60. After that it fails with a StoreError naming the endpoint."""
 
 
 class StoreError(BufferError):
@@ -637,27 +640,72 @@ def arrow_source(path) -> tuple[object, object | None]:
     return path.arrow() if isinstance(path, RemotePath) else (path, None)
 
 
+class RetryingFile(io.RawIOBase):
+    """A read-only file over one object whose every read is retried like the store's own calls (the
+    endpoint down a while, a connection reset), reopening the object where the last read stopped.
+    What pyarrow's Parquet readers read remote shards through, so an outage delays a read rather than
+    making a healthy shard look unreadable. Each read is one ranged GET (pyarrow reads a footer, then
+    whole column chunks). A missing object is FileNotFoundError, as locally."""
+
+    def __init__(self, path: "RemotePath"):
+        super().__init__()
+        self.path, self.pos = path, 0
+        self._key = path.store._key(path.key)
+        self.size = path.stat().st_size if path.entry is not None else path.store._retry(
+            "stat", lambda: int(path.store.fs.info(self._key)["size"]))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.pos if n is None or n < 0 else min(n, max(self.size - self.pos, 0))
+        if n <= 0:
+            return b""
+
+        start = self.pos
+        data = self.path.store._retry("read", lambda: self.path.store.fs.cat_file(self._key, start=start,
+                                                                                 end=start + n))
+        self.pos += len(data)
+        return data
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+
 def parquet_file(path, **kw):
     import pyarrow.parquet as pq
-    source, fs = arrow_source(path)
-    if fs is None:
-        return pq.ParquetFile(source, **kw)
-    return pq.ParquetFile(fs.open(source, "rb"), **kw)
+    if isinstance(path, RemotePath):
+        return pq.ParquetFile(RetryingFile(path), **kw)
+    return pq.ParquetFile(path, **kw)
 
 
 def read_table(path, **kw):
     import pyarrow.parquet as pq
-    source, fs = arrow_source(path)
-    return pq.read_table(source, filesystem=fs, **kw) if fs is not None else pq.read_table(source, **kw)
+    if isinstance(path, RemotePath):
+        return pq.read_table(RetryingFile(path), **kw)
+    return pq.read_table(path, **kw)
 
 
 def read_metadata(path):
     import pyarrow.parquet as pq
-    source, fs = arrow_source(path)
-    if fs is None:
-        return pq.read_metadata(source)
-    with fs.open(source, "rb") as f:
-        return pq.read_metadata(f)
+    if isinstance(path, RemotePath):
+        return pq.read_metadata(RetryingFile(path))
+    return pq.read_metadata(path)
 
 
 def list_entries(folder) -> dict[str, Entry | None]:

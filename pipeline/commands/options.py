@@ -17,7 +17,7 @@ SET_OPT = click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY
 
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
-    for noisy in ("httpx", "transformers", "filelock"):
+    for noisy in ("httpx", "transformers", "filelock", "botocore", "aiobotocore", "s3fs"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
