@@ -214,21 +214,46 @@ class LocalStore(Store):
         return pafs.LocalFileSystem()
 
 
+_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                    "ThrottlingException", "RequestTimeTooSkewed", "ConditionalRequestConflict"}
+
+
+def _error_code(e: BaseException) -> tuple[str | None, int | None]:
+    """(S3 error code, HTTP status) of a botocore ClientError behind `e` (s3fs wraps them), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error", {})
+            return err.get("Code"), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        e = e.__cause__ or e.__context__
+    return None, None
+
+
 def _transient(e: BaseException) -> bool:
-    """Whether `e` may pass if tried again: the endpoint down or slow, throttling, a 5xx."""
+    """Whether `e` may pass if tried again: the endpoint down or slow, throttling, a 5xx. Judged by the
+    exception's type and the S3 error code, never by the message (which holds bucket and key names)."""
+    if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, StoreError)):
+        return False
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True
-    name = type(e).__name__
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ClientConnectorError",
-                "ServerDisconnectedError", "ClientOSError", "ConnectionClosedError", "ServerTimeoutError"):
+    if type(e).__name__ in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                            "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
+                            "ConnectionClosedError", "ServerTimeoutError", "ClientPayloadError"):
         return True
-    text = str(e)
-    if any(s in text for s in ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500 ", "RequestTimeout")):
+    code, status = _error_code(e)
+    if code in _TRANSIENT_CODES or (status is not None and status >= 500):
         return True
     if isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE):
         return True
     cause = e.__cause__ or e.__context__
     return cause is not None and cause is not e and _transient(cause)
+
+
+def _no_such_bucket(e: BaseException) -> bool:
+    code, _ = _error_code(e)
+    return code == "NoSuchBucket" or "The specified bucket does not exist" in str(e)
 
 
 def _mtime(info: dict) -> float:
@@ -298,7 +323,7 @@ class FsspecStore(Store):
             try:
                 infos = self.fs.ls(key, detail=True, refresh=True)
             except FileNotFoundError as e:
-                if "bucket" in str(e).lower():
+                if _no_such_bucket(e):
                     raise
                 return []
             return [Entry(i["name"].rsplit("/", 1)[-1], int(i.get("size") or 0), _mtime(i))
@@ -332,6 +357,39 @@ class FsspecStore(Store):
     def download(self, name: str, local: Path) -> None:
         self._retry("download", lambda: self.fs.get_file(self._key(name), str(local)))
 
+    # -- replace-if-unchanged (S3's If-Match): the manifests -----------------------------
+    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+        """(content, ETag) of `name`, None if absent. The ETag is read first: if the object changes
+        between the two reads, the ETag is the older one and a replace_if with it fails (safe)."""
+        bucket, key = self._key(name).split("/", 1)
+
+        def get():
+            try:
+                etag = self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
+                return self.fs.cat_file(self._key(name)), etag
+            except FileNotFoundError:
+                return None
+        return self._retry("read", get)
+
+    def replace_if(self, name: str, data: bytes, etag: str | None) -> str | None:
+        """PUT `data` only if `name` still has ETag `etag` (None: only if it does not exist); the new
+        ETag, or None when another writer changed it first (nothing written)."""
+        bucket, key = self._key(name).split("/", 1)
+        cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+
+        def put():
+            try:
+                return self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
+            except (FileExistsError, FileNotFoundError):
+                return None     # 412 (s3fs: FileExistsError), or If-Match on an object deleted meanwhile
+            except Exception as e:
+                if any(t in str(e) for t in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")):
+                    return None
+                raise
+        out = self._retry("put", put)
+        self.fs.invalidate_cache(self._key(name))
+        return out
+
     def check(self) -> None:
         probe = f".check-{uuid.uuid4().hex[:8]}"
         try:
@@ -343,18 +401,18 @@ class FsspecStore(Store):
 
     @staticmethod
     def _misconfigured(e: Exception) -> bool:
-        low = f"{type(e).__name__}: {e}".lower()
-        return (isinstance(e, PermissionError) or ("bucket" in low and ("not exist" in low or "nosuchbucket" in low))
-                or any(s in low for s in ("credential", "accessdenied", "access denied", "invalidaccesskeyid",
-                                          "signaturedoesnotmatch", "forbidden")))
+        """No bucket, or credentials refused (judged by the error code or type, not by key names)."""
+        code, status = _error_code(e)
+        return (isinstance(e, PermissionError) or _no_such_bucket(e) or status == 403
+                or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                            "InvalidToken") or type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"))
 
     def _explain(self, e: Exception) -> str:
         text = f"{type(e).__name__}: {e}"
         low = text.lower()
-        if "bucket" in low and ("not exist" in low or "nosuchbucket" in low):
+        if _no_such_bucket(e):
             return f"{self.uri}: the bucket {self.bucket!r} does not exist at {self.endpoint()} ({e}); create it first"
-        if any(s in low for s in ("credential", "accessdenied", "access denied", "invalidaccesskeyid",
-                                   "signaturedoesnotmatch", "forbidden", "permission")) or isinstance(e, PermissionError):
+        if self._misconfigured(e) or "credential" in low:
             return (f"{self.uri}: the credentials were rejected at {self.endpoint()} ({text}); set "
                     f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE for this bucket")
         if _transient(e) or "connect" in low or "endpoint" in low:

@@ -218,3 +218,17 @@ def test_a_lease_of_a_killed_process_of_this_host_is_free_at_once(root):
         p.kill()
         p.wait()
     Lease(open_store(root), "leases", "trainer").acquire()      # its holder is gone: no 600 s wait
+
+
+def test_bucket_and_key_names_are_never_read_as_errors(s3env):
+    """A missing key named like an error ('...503...') in a bucket named '...bucket...' is a plain
+    FileNotFoundError at once (not retried as a 5xx), and an empty prefix lists as empty."""
+    s3env.create_bucket("my-bucket-503")
+    store = open_store("s3://my-bucket-503/run", retry_s=30)
+    assert store.list("shards") == []
+    started = time.monotonic()
+    with pytest.raises(FileNotFoundError):
+        store.read("ledger/step-000001503-0000.parquet")
+    assert time.monotonic() - started < 5
+    store.publish("InternalError-500 .json", b"{}")
+    assert [e.name for e in store.list("")] == ["InternalError-500 .json"]

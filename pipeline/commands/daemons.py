@@ -33,7 +33,9 @@ from workers.remote_weights import open_weights
 @click.command()
 @CONFIG_ARG
 @click.option("--run", "run_dir", type=click.Path(file_okay=False), default="runs/default", show_default=True,
-              help="Run directory (created; holds config.toml, buffer/, weights/, metrics/, logs/).")
+              help="Run directory (created; holds config.toml, buffer/, weights/, metrics/, logs/), or an "
+              "object-store URI such as s3://bucket/prefix (credentials and endpoint from the AWS_* "
+              "environment; logs and checkpoints then stay on this machine, see the README).")
 @SET_OPT
 @click.option("--resume", is_flag=True, help="Continue the run in --run from its checkpoint and config.")
 @click.option("--force", is_flag=True, help="Delete --run first if it holds an earlier run.")
@@ -69,6 +71,7 @@ def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bo
       asyncgrpo run --resume --run runs/a
       asyncgrpo run --launcher ray --set run.num_generators=2 --set ray.generator_cpus=0.5
       asyncgrpo run configs/gpu_vllm.toml --run /shared/runs/b --launcher ray --address auto
+      AWS_ENDPOINT_URL=http://127.0.0.1:9000 asyncgrpo run --run s3://runs/c
     """
     setup_logging()
     if launcher == "local" and address is not None and \
@@ -98,7 +101,8 @@ def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bo
 
 
 @click.command()
-@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False),
+              help="Run directory, or an object-store URI (s3://bucket/prefix).")
 @click.option("--index", type=click.IntRange(min=0), default=0, show_default=True,
               help="Generator number: its seed is run.seed + 1000 * (index + 1), its name gen<index>.")
 @SET_OPT
@@ -169,7 +173,8 @@ def _check_model_matches_buffer(run_dir: Path, model: Path) -> None:
 
 
 @click.command()
-@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False),
+              help="Run directory, or an object-store URI (s3://bucket/prefix).")
 @SET_OPT
 @user_errors
 def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
@@ -194,7 +199,8 @@ def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
 
 
 @click.command(name="eval")
-@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False),
+              help="Run directory, or an object-store URI (s3://bucket/prefix).")
 @click.option("--version", "version", type=click.IntRange(min=0), default=None,
               help="Weights version to evaluate [default: the newest published].")
 @click.option("--size", type=click.IntRange(min=1), default=None, help="Held-out prompts [default: run.eval_size].")
