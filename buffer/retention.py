@@ -256,6 +256,14 @@ def _link_or_copy(d: BufferDir, src: Path) -> Path:
     dest_dir = archive_shards_dir(d.root)
     dest = dest_dir / src.name
     dest_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(src, RemotePath):   # an object store: a server-side copy (one there already is kept)
+        store = src.store
+        if not dest.is_file():
+            store._retry("copy", lambda: store.fs.copy(store._key(src.key), store._key(dest.key)))
+        if dest.stat().st_size != src.stat().st_size:
+            raise BufferError(f"cannot archive {src}: {dest} exists and is another file "
+                              f"({dest.stat().st_size} bytes, not {src.stat().st_size}); move it aside")
+        return dest
     try:
         os.link(src, dest)
         return dest

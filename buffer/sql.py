@@ -130,7 +130,13 @@ def check_read_only(sql: str) -> None:
 
 
 def _clean(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    """The error's first line; for an error that carries a Python traceback (a read through the object
+    store's filesystem failed), its last line, which says what failed."""
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return lines[-1].strip() if "Traceback" in lines[0] or lines[0].rstrip().endswith("Traceback (most recent call last):") \
+        else lines[0]
 
 
 def offline_connection() -> duckdb.DuckDBPyConnection:

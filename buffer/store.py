@@ -273,7 +273,7 @@ class FsspecStore(Store):
         self.bucket = rest.split("/", 1)[0]
         self.retry_s = retry_s
         # Few retries inside s3fs and botocore: `_retry` owns the backoff, so retry_s bounds the wait.
-        opts = ({"config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
+        opts = ({"config_kwargs": {"connect_timeout": 5, "read_timeout": 15,
                                                   "retries": {"max_attempts": 2, "mode": "standard"}}}
                 if self.scheme == "s3" else {})
         try:
@@ -337,7 +337,13 @@ class FsspecStore(Store):
                 self.fs.pipe_file(self._key(name), data, mode="create")
                 return True
             except FileExistsError:
-                return False
+                # Also what a retried PUT whose first try succeeded (its answer lost) gets: the object holds
+                # exactly these bytes then. Callers make their bytes their own (a nonce, pid and time), or
+                # write bytes that any writer may equally have written (COMPLETE.json).
+                try:
+                    return self.fs.cat_file(self._key(name)) == data
+                except FileNotFoundError:
+                    return False
         return self._retry("put", put)
 
     def publish(self, name: str, data: bytes) -> None:
@@ -437,6 +443,9 @@ class Conflict(BufferError):
     """Another writer created the next number first; read again and retry."""
 
 
+_NONCE = "_writer_nonce"
+
+
 class Numbered:
     """A small JSON state kept as `folder/stem-<n>.json`, n = 1, 2, ...; the newest is the state.
 
@@ -478,14 +487,19 @@ class Numbered:
             except FileNotFoundError:
                 continue    # pruned between the listing and the read: list again
             try:
-                return n, json.loads(raw)
+                state = json.loads(raw)
+                state.pop(_NONCE, None)
+                return n, state
             except ValueError as e:
                 raise BufferError(f"unreadable {self.store.uri}/{self._name(n)}: {e}") from e
         raise BufferError(f"{self.store.uri}/{self.folder}: {self.stem} kept changing while being read")
 
     def create(self, n: int, state: dict) -> bool:
         """Make `state` number n; False if n exists (another writer was first)."""
-        ok = self.store.put_new(self._name(n), json.dumps(state, sort_keys=True).encode())
+        # A nonce makes each writer's bytes its own: put_new tells a retried PUT of ours (same bytes)
+        # from another writer's equal state (which must count as a conflict).
+        data = json.dumps({**state, _NONCE: uuid.uuid4().hex}, sort_keys=True).encode()
+        ok = self.store.put_new(self._name(n), data)
         if ok and n > self.keep:
             self.prune()
         return ok
@@ -522,10 +536,21 @@ class LeaseHeld(BufferError):
     """Another process holds the lease; the message names it."""
 
 
+def host_id() -> str:
+    """This machine and pid namespace: the host name, the boot id and the pid namespace's inode (two
+    containers of one host share a host name, not a pid namespace)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot, ns = "", 0
+    return f"{os.uname().nodename}/{boot}/{ns}"
+
+
 def _dead_here(state: dict) -> bool:
-    """Whether a lease's holder was a process of this host that is gone (killed): free at once, as a
-    local lock file's would be."""
-    return state.get("host") == os.uname().nodename and not pid_alive(int(state.get("pid", -1)))
+    """Whether a lease's holder was a process of this host (and pid namespace) that is gone (killed):
+    free at once, as a local lock file's would be."""
+    return state.get("host_id") == host_id() and not pid_alive(int(state.get("pid", -1)))
 
 
 class Lease:
@@ -545,7 +570,8 @@ class Lease:
         self.epoch: int | None = None
 
     def _mine(self, now: float) -> dict:
-        return {"holder": self.holder, "host": os.uname().nodename, "pid": os.getpid(), "expires": now + self.ttl_s}
+        return {"holder": self.holder, "host": os.uname().nodename, "host_id": host_id(), "pid": os.getpid(),
+                "expires": now + self.ttl_s}
 
     def acquire(self) -> None:
         def take(state):
@@ -783,19 +809,33 @@ def list_names(folder) -> list[str]:
 
 class LeaseLock:
     """filelock.FileLock's interface (acquire(timeout), release, is_locked, `with`, re-entrant) on a
-    store, built on `Lease`: acquiring waits while another process holds it, a thread renews it while
-    held, and a holder killed with -9 frees it `ttl_s` later."""
+    store, built on `Lease`: acquiring waits while another process holds it, a thread renews it every
+    ttl_s / 3 while held, and a holder killed with -9 frees it `ttl_s` later (at once on its own host).
+
+    A holder can lose the lease while it runs (paused, or the store unreachable for longer than the
+    lease): `assert_held()` raises LeaseHeld once the last successful renewal is older than the lease,
+    and the buffer calls it before each write only one holder may make (a ledger record); manifests
+    are also written with If-Match (FileSet), so a lapsed holder cannot overwrite them."""
 
     def __init__(self, path: RemotePath, *, ttl_s: float = 30.0, poll_s: float = 0.25):
         self.path, self.ttl_s, self.poll_s = path, ttl_s, poll_s
         self._lease = Lease(path.store, path.key, "lock", ttl_s=ttl_s)
         self._count = 0
-        self._guard = threading.RLock()
-        self._stop = None
+        self._guard = threading.RLock()       # acquire / release
+        self._renewing = threading.Lock()     # one renewal or release at a time
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._valid_until = 0.0               # monotonic: the lease is surely ours until then
 
     @property
     def is_locked(self) -> bool:
         return self._count > 0
+
+    def assert_held(self) -> None:
+        if self._count and time.monotonic() > self._valid_until:
+            raise LeaseHeld(f"{self.path}: the lease of this process lapsed (not renewed for {self.ttl_s:.0f} s: "
+                            f"a pause, or the store unreachable); another process may hold it now, so this "
+                            f"one stops rather than write")
 
     def acquire(self, timeout: float = -1, poll_interval: float | None = None):
         from filelock import Timeout
@@ -806,6 +846,7 @@ class LeaseLock:
                 return self
             deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
             while True:
+                started = time.monotonic()
                 try:
                     self._lease.acquire()
                     break
@@ -813,6 +854,7 @@ class LeaseLock:
                     if deadline is not None and time.monotonic() >= deadline:
                         raise Timeout(str(self.path)) from None
                     time.sleep(poll_interval or self.poll_s)
+            self._valid_until = started + self.ttl_s * 2 / 3
             self._count = 1
             self._start_renewing()
             return self
@@ -822,16 +864,23 @@ class LeaseLock:
 
         def renew():
             while not stop.wait(self.ttl_s / 3):
-                try:
-                    self._lease.renew()
-                except LeaseHeld:
-                    log.error("lost the lock %s (renewal came too late); its holder will stop at its next write",
-                              self.path)
-                    return
-                except Exception as e:   # the store down a while: try again at the next tick
-                    log.warning("could not renew the lock %s: %s", self.path, e)
+                with self._renewing:
+                    if stop.is_set():
+                        return
+                    started = time.monotonic()
+                    try:
+                        self._lease.renew()
+                        self._valid_until = started + self.ttl_s * 2 / 3
+                    except LeaseHeld:
+                        self._valid_until = 0.0
+                        log.error("lost the lock %s (a renewal came too late); its holder stops at its next write",
+                                  self.path)
+                        return
+                    except Exception as e:   # the store down a while: try again at the next tick
+                        log.warning("could not renew the lock %s: %s", self.path, e)
 
-        threading.Thread(target=renew, daemon=True, name=f"lease-{self.path.name}").start()
+        self._thread = threading.Thread(target=renew, daemon=True, name=f"lease-{self.path.name}")
+        self._thread.start()
 
     def release(self, force: bool = False) -> None:
         with self._guard:
@@ -842,7 +891,11 @@ class LeaseLock:
                 return
             if self._stop is not None:
                 self._stop.set()
-            self._lease.release()
+            with self._renewing:          # no renewal in flight: it could re-create the lease after this
+                self._lease.release()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout=5)
+            self._thread = None
 
     def __enter__(self):
         return self.acquire()

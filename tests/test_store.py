@@ -232,3 +232,24 @@ def test_bucket_and_key_names_are_never_read_as_errors(s3env):
     assert time.monotonic() - started < 5
     store.publish("InternalError-500 .json", b"{}")
     assert [e.name for e in store.list("")] == ["InternalError-500 .json"]
+
+
+def test_a_lease_lock_is_renewed_while_held_and_refuses_writes_once_it_lapsed(s3env):
+    from buffer.store import LeaseLock, store_path
+
+    s3env.create_bucket("leaselock")
+    path = store_path("s3://leaselock/run") / "buffer.lock"
+    held = LeaseLock(path, ttl_s=1.5)
+    held.acquire()
+    time.sleep(2.0)                                   # longer than the lease: the renewals keep it
+    held.assert_held()
+    with pytest.raises(Exception, match="Timeout|buffer.lock"):
+        LeaseLock(path, ttl_s=1.5).acquire(timeout=0.5)
+    held._stop.set()                                  # as if paused: no more renewals
+    time.sleep(1.2)                                   # past 2/3 of the lease since the last renewal
+    with pytest.raises(LeaseHeld, match="the lease of this process lapsed"):
+        held.assert_held()
+    other = LeaseLock(path, ttl_s=1.5)
+    other.acquire(timeout=5)                          # expired: the next holder takes it
+    other.release()
+    assert other._thread is None                      # the renewal thread is joined on release

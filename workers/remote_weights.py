@@ -113,21 +113,24 @@ class RemoteWeights:
         return doomed
 
     def upload(self, local: str | os.PathLike, version: int) -> None:
-        """Upload the HF folder `local` as `version`, then make it LATEST. Re-uploading a complete
-        version is an error (published versions never change)."""
+        """Upload the HF folder `local` as `version`, then make it LATEST. A version already complete
+        with the same files only moves LATEST (an upload killed before it); with other files it is an error
+        (published versions never change)."""
         local = Path(local)
         files = sorted(p for p in local.iterdir() if p.is_file())
         if not files:
             raise WeightsError(f"{local}: no files to upload as {version_name(version)}")
+        listing = {p.name: [p.stat().st_size, _sha256(p)] for p in files}
         if self.is_complete(version):
-            raise FileExistsError(f"{self.store.uri}/{self._name(version)} is already published; "
-                                  f"published versions never change")
-        listing = {}
-        for p in files:
-            self.store.upload(self._name(version, p.name), p)
-            listing[p.name] = [p.stat().st_size, _sha256(p)]
-        if not self.store.put_new(self._name(version, COMPLETE), json.dumps(listing, indent=1).encode()):
-            raise FileExistsError(f"{self.store.uri}/{self._name(version)} was completed by another writer")
+            # The same files (a trainer killed after COMPLETE.json, before LATEST): only LATEST is left to do.
+            if json.loads(self.store.read(self._name(version, COMPLETE))) != listing:
+                raise FileExistsError(f"{self.store.uri}/{self._name(version)} is already published with other "
+                                      f"files; published versions never change")
+        else:
+            for p in files:
+                self.store.upload(self._name(version, p.name), p)
+            if not self.store.put_new(self._name(version, COMPLETE), json.dumps(listing, indent=1).encode()):
+                raise FileExistsError(f"{self.store.uri}/{self._name(version)} was completed by another writer")
         self._latest.update(lambda s: {"version": max(version, (s or {}).get("version", -1)),
                                        "versions": sorted(set((s or {}).get("versions", [])) | {version})})
 
