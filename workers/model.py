@@ -10,7 +10,10 @@ from a config: Qwen2 architecture, 4 layers, hidden 128, 4 heads, intermediate
 
 The tokenizer is a `tokenizers` WordLevel model over single characters: `<bos>`
 is prepended to every encoded text, `<eos>` ends a completion, padding is on
-the left (so a batch of prompts ends at the same column for generation).
+the left (so a batch of prompts ends at the same column for generation). It
+carries a small chat template (`CHAT_TEMPLATE`, saved as chat_template.jinja)
+written in the vocabulary's own characters, so `task.chat_template = true`
+works with it end to end: "<bos>system:...(/)user:12+34=/assistant:".
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 # whitespace in the vocabulary both give the same ids for every text.
 CHARACTERS = list("0123456789+-*=()<>/.,:#?!_") + list("abcdefghijklmnopqrstuvwxyz")
 VOCAB_SIZE = 64  # padded, so embedding rows are a round number
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}:{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}/{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+"""The tiny tokenizer's chat template: each message as "<role>:<content>/" (an assistant message ends
+with <eos> instead), after one <bos>; only characters of CHARACTERS, so nothing becomes <unk>."""
 
 
 ONEDNN_ENV = "ASYNCGRPO_ONEDNN"
@@ -64,7 +73,8 @@ class TinyModelSpec:
 
 
 def build_tokenizer():
-    """The character tokenizer as a `PreTrainedTokenizerFast` (left padding, `<bos>` prepended)."""
+    """The character tokenizer as a `PreTrainedTokenizerFast` (left padding, `<bos>` prepended,
+    `CHAT_TEMPLATE` as its chat template)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -77,7 +87,7 @@ def build_tokenizer():
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-        padding_side="left", model_max_length=TinyModelSpec.max_position_embeddings)
+        padding_side="left", model_max_length=TinyModelSpec.max_position_embeddings, chat_template=CHAT_TEMPLATE)
 
 
 def tiny_config(tokenizer, spec: TinyModelSpec = TinyModelSpec()):
