@@ -70,14 +70,14 @@ def test_tiny_template_renders_one_bos_and_known_characters(tiny):
     tok = AutoTokenizer.from_pretrained(str(tiny))
     messages = chat_messages("12+34=", ChatFormat(SYSTEM))
     assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
-        "<bos>system:answer,briefly/user:12+34=/assistant:"
+        "<bos>s:answer,briefly/u:12+34=/a:"
     # one <bos>, no <unk>: every other character is a vocabulary entry of its own
     assert reference_ids(tiny, "12+34=", ChatFormat(SYSTEM)) == \
-        [VOCAB[BOS]] + char_ids("system:answer,briefly/user:12+34=/assistant:")
-    assert reference_ids(tiny, "7-", ChatFormat()) == [VOCAB[BOS]] + char_ids("user:7-/assistant:")
+        [VOCAB[BOS]] + char_ids("s:answer,briefly/u:12+34=/a:")
+    assert reference_ids(tiny, "7-", ChatFormat()) == [VOCAB[BOS]] + char_ids("u:7-/a:")
     # an assistant turn ends with <eos> (the SFT target's end)
     assert tok.apply_chat_template(messages + [{"role": "assistant", "content": "46"}], tokenize=False) == \
-        "<bos>system:answer,briefly/user:12+34=/assistant:46<eos>"
+        "<bos>s:answer,briefly/u:12+34=/a:46<eos>"
 
 
 @pytest.mark.parametrize("chat", FORMATS, ids=FORMAT_IDS)
@@ -243,6 +243,25 @@ def test_a_folder_without_a_template_is_a_model_error(no_template):
     with pytest.raises(ModelError, match="has no chat template"):
         encode_prompts(load_tokenizer(no_template), PROMPTS, ChatFormat())
     assert encode_prompts(load_tokenizer(no_template), PROMPTS) == [[VOCAB[BOS]] + char_ids(p) for p in PROMPTS]
+
+
+def test_a_template_that_refuses_the_system_prompt_is_a_model_error(tmp_path, tiny):
+    import shutil
+
+    from workers.chat import check_chat_template
+    from workers.model import load_tokenizer
+
+    folder = tmp_path / "no-system"
+    shutil.copytree(tiny, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] }}/{% endfor %}")
+    tok = load_tokenizer(folder)
+    check_chat_template(tok, ChatFormat(), folder)     # no system prompt: fine
+    assert encode_prompts(tok, ["1+2="], ChatFormat()) == [[VOCAB[BOS]] + char_ids("1+2=/")]
+    with pytest.raises(ModelError, match=r"chat template of model folder .*no-system.* cannot render a prompt "
+                                         r"with task.system_prompt: .*System role not supported"):
+        check_chat_template(tok, ChatFormat(SYSTEM), folder)
 
 
 def test_cli_model_folder_without_a_template_stops_before_anything_starts(tmp_path, no_template):

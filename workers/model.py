@@ -13,7 +13,8 @@ is prepended to every encoded text, `<eos>` ends a completion, padding is on
 the left (so a batch of prompts ends at the same column for generation). It
 carries a small chat template (`CHAT_TEMPLATE`, saved as chat_template.jinja)
 written in the vocabulary's own characters, so `task.chat_template = true`
-works with it end to end: "<bos>system:...(/)user:12+34=/assistant:".
+works with it end to end: "<bos>u:12+34=/a:", or "<bos>s:be,brief/u:12+34=/a:" with a
+system prompt.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 CHARACTERS = list("0123456789+-*=()<>/.,:#?!_") + list("abcdefghijklmnopqrstuvwxyz")
 VOCAB_SIZE = 64  # padded, so embedding rows are a round number
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}:{{ message['content'] }}"
+    "{{ bos_token }}{% for message in messages %}{{ message['role'][0] }}:{{ message['content'] }}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}/{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}")
-"""The tiny tokenizer's chat template: each message as "<role>:<content>/" (an assistant message ends
-with <eos> instead), after one <bos>; only characters of CHARACTERS, so nothing becomes <unk>."""
+    "{% if add_generation_prompt %}a:{% endif %}")
+"""The tiny tokenizer's chat template: after one <bos>, each message as "<role initial>:<content>/"
+("s:", "u:", "a:"; an assistant message ends with <eos> instead), then "a:" to open the answer.
+Only characters of CHARACTERS, so nothing becomes <unk>; one-letter roles, because every character
+is a token and the prompt's length is the tiny model's compute."""
 
 
 ONEDNN_ENV = "ASYNCGRPO_ONEDNN"

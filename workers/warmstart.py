@@ -354,8 +354,9 @@ def warmstart(base_folder: str | os.PathLike, out_folder: str | os.PathLike, tas
     from workers.model import load_model, load_tokenizer
 
     base, out = Path(base_folder), Path(out_folder)
-    model, tokenizer = load_model(base), load_tokenizer(base)
+    tokenizer = load_tokenizer(base)
     check_chat_template(tokenizer, task.chat, base)
+    model = load_model(base)
     if cfg.target_accuracy is None:
         train, dev = task.train, []
     elif task.dev:
