@@ -23,6 +23,7 @@ from pipeline.schema import NONE, build, merge, set_path, to_dict, toml_value
 from workers.checks import ConfigError, is_int, is_num, require
 from workers.compactor import CompactorConfig
 from workers.generator import GeneratorConfig
+from workers.model import CHARACTERS
 from workers.rewards import RewardConfig
 from workers.tasks import TaskConfig
 from workers.trainer import TrainerConfig
@@ -232,6 +233,13 @@ def check_consistency(cfg: Config) -> None:
     if cfg.generator.backend == "vllm" and cfg.model.path is None:
         raise ConfigError("generator.backend = 'vllm' needs model.path (a local HF model folder); the "
                           "embedded tiny model runs with the 'hf' backend")
+    if cfg.model.path is None and cfg.task.system_prompt is not None:
+        outside = sorted(set(cfg.task.system_prompt) - set(CHARACTERS))
+        if outside:
+            raise ConfigError(f"task.system_prompt = {cfg.task.system_prompt!r} has characters the embedded tiny "
+                              f"model's tokenizer does not know ({''.join(outside)!r}; it knows "
+                              f"{''.join(CHARACTERS)!r}, no spaces or capitals); write it with those, or set "
+                              "model.path to a model of your own")
     keep, limit = cfg.compactor.keep_versions, cfg.trainer.max_staleness
     if keep is not None and limit is None:
         raise ConfigError(f"compactor.keep_versions ({keep}) needs trainer.max_staleness set (it is none): "
