@@ -12,7 +12,7 @@ import warnings
 
 import click
 
-from pipeline.commands import daemons, data, experiments
+from pipeline.commands import daemons, data, experiments, observe
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -46,6 +46,8 @@ main.add_command(data.sql)
 main.add_command(data.status)
 main.add_command(data.compact)
 main.add_command(data.demo)
+main.add_command(observe.plot)
+main.add_command(observe.track)
 main.add_command(experiments.config)
 main.add_command(experiments.ablate)
 

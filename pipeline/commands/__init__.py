@@ -3,5 +3,6 @@
     data         sql, status, compact, demo           (a buffer or run directory)
     daemons      run, generate, train, compactor, eval, init-model, warmstart
     experiments  config, ablate
+    observe      plot, track                          (charts and trackers of a run)
     options      what the commands share (CONFIG, --set, logging)
 """
