@@ -67,7 +67,9 @@ def _col(table, name: str) -> np.ndarray | None:
     """A numeric metrics column as float64 (nulls as NaN), or None when absent or all null."""
     if name not in table.column_names:
         return None
-    a = np.array([np.nan if v is None else v for v in table.column(name).to_pylist()], dtype=np.float64)
+    import pyarrow as pa
+
+    a = np.asarray(table.column(name).cast(pa.float64()).to_numpy(), dtype=np.float64)   # nulls: NaN
     return a if np.isfinite(a).any() else None
 
 
@@ -107,7 +109,7 @@ def plot_data(run_dir: str | os.PathLike) -> list[Panel]:
         Panel("importance", "Importance weight and ratio (means)", "mean", "no trainer steps yet"),
         Panel("filtered", "Filtered groups by reason (per version sampled)", "share of groups",
               "no groups in the buffer yet", percent=True),
-        Panel("idle", "Idle share: trainer waiting for data, generators waiting for the trainer", "share",
+        Panel("idle", "Idle share (trainer: waiting for data; generators: for the trainer)", "share",
               "no trainer or generator timings yet", percent=True),
         Panel("throughput", "Throughput", "tokens / s", "no trainer or generator timings yet"),
         Panel("staleness", "Staleness of consumed groups", "groups", "no group consumed yet"),
@@ -275,8 +277,9 @@ def render_html(panels: list[Panel], title: str) -> str:
                                    font={"color": "gray"}, row=r, col=c)
             fig.update_xaxes(title_text="trainer step" if xkey == "step" else "wall time (minutes)", row=r,
                              col=c) if not (p.histogram is not None and c == 1) else None
-            fig.update_yaxes(title_text=p.ylabel, tickformat=".0%" if p.percent else None, row=r, col=c)
-    fig.update_layout(title=title, height=330 * len(panels), width=1400, template="plotly_white",
+            ylabel = "staleness (versions)" if p.histogram is not None and c == 2 else p.ylabel
+            fig.update_yaxes(title_text=ylabel, tickformat=".2~%" if p.percent else None, row=r, col=c)
+    fig.update_layout(title=title, height=330 * len(panels), width=1300, template="plotly_white",
                       legend={"font": {"size": 10}})
     return fig.to_html(include_plotlyjs=True, full_html=True)
 

@@ -291,6 +291,9 @@ def _supervise(run_dir: Path, cfg: Config, resume: bool, echo, launcher: Launche
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     sup.start()
     observer.start()
+    if observer.follower is not None:
+        echo(f"trackers {', '.join(cfg.run.report_to)}: {run_dir / 'trackers'} "
+             f"(every {cfg.run.track_every_s:g} s)")
     echo(f"started the trainer, {len(sup.generators)} generator(s){' and a compactor' if sup.helpers else ''}; "
          f"logs in {run_dir / 'logs'}")
     progress = Progress(run_dir, cfg)

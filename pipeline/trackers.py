@@ -178,6 +178,10 @@ def _close_quietly(t: Tracker) -> None:
         log.exception("tracker %s failed to close", t.name)
 
 
+def _sql_str(s: str) -> str:
+    return "'" + str(s).replace("'", "''") + "'"
+
+
 def _number(v) -> float | None:
     if isinstance(v, bool):
         return float(v)
@@ -238,8 +242,8 @@ class Follower:
 
     def _generators(self, db, flush: bool) -> None:
         seen = self.state["generators"]
-        where = " OR ".join(f"(writer_id = '{w}' AND batch > {int(b)})" for w, b in seen.items())
-        where = f"writer_id NOT IN ({', '.join(repr(w) for w in seen)}) OR {where}" if seen else "true"
+        where = " OR ".join(f"(writer_id = {_sql_str(w)} AND batch > {int(b)})" for w, b in seen.items())
+        where = f"writer_id NOT IN ({', '.join(map(_sql_str, seen))}) OR {where}" if seen else "true"
         rows = self._rows(db, f"SELECT * FROM generator_metrics WHERE {where} ORDER BY started_at")
         for r in rows:
             seen[r["writer_id"]] = max(int(r["batch"]), int(seen.get(r["writer_id"], -1)))
@@ -344,6 +348,9 @@ class Observer:
 
 
 def write_run_plot(run_dir: Path) -> None:
+    """<run>/plot.png and plot.html, once the run has a buffer (the generators' first shard makes it)."""
+    from buffer.layout import BufferDir
     from pipeline.plot import write_plots
 
-    write_plots(run_dir)
+    if BufferDir.is_buffer(run_dir / "buffer"):
+        write_plots(run_dir)

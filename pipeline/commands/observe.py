@@ -59,6 +59,17 @@ def plot(run: str, out: str | None, as_json: bool) -> None:
                + (f" (no data yet in: {', '.join(empty)})" if empty else ""))
 
 
+def _run_config(run_dir: Path) -> dict:
+    """The run's resolved config for the trackers' run page (empty where there is none, or it is unreadable)."""
+    from pipeline.config import ConfigError, load_run_config
+    from pipeline.schema import to_dict
+
+    try:
+        return to_dict(load_run_config(run_dir))
+    except ConfigError:
+        return {}
+
+
 @click.command()
 @click.argument("run", type=click.Path(file_okay=False))
 @click.option("--report-to", "report_to", required=True, metavar="NAMES",
@@ -93,7 +104,7 @@ def track(run: str, report_to: str, every_s: float, once: bool, samples_every_s:
         raise UserError(f"--report-to {report_to!r}: expected trackers from {', '.join(TRACKER_NAMES)}, "
                         "comma-separated")
     run_dir = _run_dir(run)
-    trackers, state = open_trackers(names, run_dir, {"run_dir": str(run_dir.resolve())})
+    trackers, state = open_trackers(names, run_dir, _run_config(run_dir))
     follower = Follower(run_dir, trackers, state, samples_every_s=samples_every_s)
     try:
         while True:
