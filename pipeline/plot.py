@@ -34,6 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
+import buffer
+from buffer.layout import atomic_write_bytes
+
 SMOOTH_ABOVE = 200   # points; noisier series get a moving average over the raw line
 
 
@@ -75,11 +78,9 @@ def _col(table, name: str) -> np.ndarray | None:
 
 def _query(db, sql: str):
     """Rows of a view, or None when the run has no such view yet (no metrics written, ...)."""
-    from buffer.sql import SqlError
-
     try:
         return db.query(sql)
-    except SqlError as e:
+    except buffer.SqlError as e:
         if "does not exist" in str(e):
             return None
         raise
@@ -87,10 +88,8 @@ def _query(db, sql: str):
 
 def plot_data(run_dir: str | os.PathLike) -> list[Panel]:
     """The panels of a run directory (raises BufferError when it has no buffer)."""
-    from buffer.sql import BufferSQL
-
     run = Path(run_dir)
-    db = BufferSQL(run, quarantine=False)
+    db = buffer.BufferSQL(run, quarantine=False)
     m = _query(db, "SELECT * FROM metrics ORDER BY step")
     g = _query(db, "SELECT generator_id, version, started_at, wait_s, seconds, tokens FROM generator_metrics "
                    "ORDER BY generator_id, started_at")
@@ -287,8 +286,6 @@ def render_html(panels: list[Panel], title: str) -> str:
 def write_plots(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> dict:
     """Write `out` (default <run>/plot.png) and, beside it, the same stem's .html and .json (points per panel);
     each written to a temp name and renamed. Returns what the .json holds."""
-    from buffer.atomic import atomic_write_bytes
-
     run = Path(run_dir)
     png = Path(out) if out is not None else run / "plot.png"
     panels = plot_data(run)

@@ -37,7 +37,10 @@ import uuid
 from pathlib import Path
 from typing import Protocol
 
+import buffer
+from buffer.layout import BufferDir, atomic_write_bytes
 from pipeline.errors import RunError
+from pipeline.plot import write_plots
 
 log = logging.getLogger("asyncgrpo.track")
 SAMPLES_PER_TABLE = 8       # completions in each samples/completions table (up to 4 per group)
@@ -205,12 +208,9 @@ class Follower:
 
     def poll(self, *, final: bool = False) -> int:
         """Log what is new; returns the trainer steps logged. `final`: also log generator rows still waiting."""
-        from buffer.layout import BufferError
-        from buffer.sql import BufferSQL
-
         try:
-            db = BufferSQL(self.run, quarantine=False)
-        except BufferError:
+            db = buffer.BufferSQL(self.run, quarantine=False)
+        except buffer.BufferError:
             return 0   # no buffer yet: the generators have not started
         steps = self._metrics(db)
         self._generators(db, flush=bool(steps) or final)
@@ -221,11 +221,9 @@ class Follower:
         return steps
 
     def _rows(self, db, sql: str) -> list[dict]:
-        from buffer.sql import SqlError
-
         try:
             return db.query(sql).to_pylist()
-        except SqlError as e:
+        except buffer.SqlError as e:
             if "does not exist" in str(e):
                 return []   # the view comes with the run's first file of its kind
             raise
@@ -292,8 +290,6 @@ class Follower:
             _close_quietly(t)
 
     def _save_state(self) -> None:
-        from buffer.atomic import atomic_write_bytes
-
         p = state_path(self.run)
         p.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(p.parent, p, json.dumps(self.state).encode())
@@ -349,8 +345,5 @@ class Observer:
 
 def write_run_plot(run_dir: Path) -> None:
     """<run>/plot.png and plot.html, once the run has a buffer (the generators' first shard makes it)."""
-    from buffer.layout import BufferDir
-    from pipeline.plot import write_plots
-
     if BufferDir.is_buffer(run_dir / "buffer"):
         write_plots(run_dir)

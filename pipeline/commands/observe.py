@@ -13,7 +13,11 @@ from pathlib import Path
 import click
 
 from pipeline.commands.options import setup_logging
+from pipeline.config import ConfigError, load_run_config
 from pipeline.errors import UserError, user_errors
+from pipeline.plot import write_plots
+from pipeline.schema import to_dict
+from pipeline.trackers import TRACKER_NAMES, Follower, open_trackers
 
 
 def _run_dir(run: str) -> Path:
@@ -46,8 +50,6 @@ def plot(run: str, out: str | None, as_json: bool) -> None:
       asyncgrpo plot runs/default                 # runs/default/plot.png and plot.html
       asyncgrpo plot runs/default --out /tmp/a.png
     """
-    from pipeline.plot import write_plots
-
     if out is not None and not out.endswith(".png"):
         raise UserError(f"--out {out!r}: expected a file name ending in .png")
     summary = write_plots(_run_dir(run), out)
@@ -61,9 +63,6 @@ def plot(run: str, out: str | None, as_json: bool) -> None:
 
 def _run_config(run_dir: Path) -> dict:
     """The run's resolved config for the trackers' run page (empty where there is none, or it is unreadable)."""
-    from pipeline.config import ConfigError, load_run_config
-    from pipeline.schema import to_dict
-
     try:
         return to_dict(load_run_config(run_dir))
     except ConfigError:
@@ -95,8 +94,6 @@ def track(run: str, report_to: str, every_s: float, once: bool, samples_every_s:
       asyncgrpo track runs/default --report-to tensorboard,wandb
       asyncgrpo track runs/default --report-to tensorboard --once && tensorboard --logdir runs/default/trackers
     """
-    from pipeline.trackers import TRACKER_NAMES, Follower, open_trackers
-
     setup_logging()
     names = [n.strip() for n in report_to.split(",") if n.strip()]
     bad = [n for n in names if n not in TRACKER_NAMES]
