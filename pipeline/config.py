@@ -20,6 +20,7 @@ import tomli_w
 
 from buffer.layout import atomic_write_bytes
 from pipeline.schema import NONE, build, merge, set_path, to_dict, toml_value
+from pipeline.trackers import TRACKER_NAMES
 from workers.checks import ConfigError, is_int, is_num, require
 from workers.compactor import CompactorConfig
 from workers.generator import GeneratorConfig
@@ -73,6 +74,16 @@ class RunConfig:
     pin_cores: bool = False
     """Pin the trainer to core 0 and generators to the other cores (emulates separate hardware; the local
     launcher only: under `--launcher ray` the [ray] section places the daemons)."""
+    report_to: tuple[str, ...] = ()
+    """Trackers fed from the run's metrics, generator metrics and sample completions: "tensorboard"
+    (<run>/trackers/tensorboard/), "wandb" (<run>/trackers/wandb/, offline unless WANDB_MODE is set).
+    Needs pip install -e '.[track]'. A tracker that cannot start stops the run before anything starts;
+    one that fails later is logged and turned off, and training goes on."""
+    track_every_s: float = 10.0
+    """How often the trackers are fed the run's new rows (a follower thread of `asyncgrpo run`)."""
+    plot_every_s: float | None = 180.0
+    """Write <run>/plot.png and plot.html (`asyncgrpo plot`) this often while the run runs, and at its end
+    (None: only `asyncgrpo plot RUN` draws them)."""
 
     def __post_init__(self) -> None:
         require(self, "seed", is_int(self.seed, 0), "an integer >= 0")
@@ -86,6 +97,13 @@ class RunConfig:
         require(self, "max_generator_restarts",
                 self.max_generator_restarts is None or is_int(self.max_generator_restarts, 0),
                 "an integer >= 0, or omitted (unlimited)")
+        for name in self.report_to:
+            require(self, "report_to", name in TRACKER_NAMES,
+                    f"a list of trackers from {', '.join(map(repr, TRACKER_NAMES))} (got {name!r})")
+        require(self, "report_to", len(set(self.report_to)) == len(self.report_to), "a list without repeats")
+        require(self, "track_every_s", is_num(self.track_every_s, 0, lo_open=True), "a number of seconds > 0")
+        require(self, "plot_every_s", self.plot_every_s is None or is_num(self.plot_every_s, 0, lo_open=True),
+                "a number of seconds > 0, or none (plot only with asyncgrpo plot)")
 
 
 def _is_gpu_count(x) -> bool:
