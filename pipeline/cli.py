@@ -12,7 +12,7 @@ import warnings
 
 import click
 
-from pipeline.commands import daemons, data, experiments, reuse
+from pipeline.commands import daemons, data, experiments, observe, reuse
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -48,6 +48,8 @@ main.add_command(data.compact)
 main.add_command(data.demo)
 main.add_command(reuse.export)
 main.add_command(reuse.rescore)
+main.add_command(observe.plot)
+main.add_command(observe.track)
 main.add_command(experiments.config)
 main.add_command(experiments.ablate)
 

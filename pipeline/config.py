@@ -21,9 +21,11 @@ import tomli_w
 from buffer.layout import atomic_write_bytes
 from buffer.store import as_path
 from pipeline.schema import NONE, build, merge, set_path, to_dict, toml_value
+from pipeline.trackers import TRACKER_NAMES
 from workers.checks import ConfigError, is_int, is_num, require
 from workers.compactor import CompactorConfig
 from workers.generator import GeneratorConfig
+from workers.model import CHARACTERS
 from workers.rewards import RewardConfig
 from workers.tasks import TaskConfig
 from workers.trainer import TrainerConfig
@@ -73,6 +75,16 @@ class RunConfig:
     pin_cores: bool = False
     """Pin the trainer to core 0 and generators to the other cores (emulates separate hardware; the local
     launcher only: under `--launcher ray` the [ray] section places the daemons)."""
+    report_to: tuple[str, ...] = ()
+    """Trackers fed from the run's metrics, generator metrics and sample completions: "tensorboard"
+    (<run>/trackers/tensorboard/), "wandb" (<run>/trackers/wandb/, offline unless WANDB_MODE is set).
+    Needs pip install -e '.[track]'. A tracker that cannot start stops the run before anything starts;
+    one that fails later is logged and turned off, and training goes on."""
+    track_every_s: float = 10.0
+    """How often the trackers are fed the run's new rows (a follower thread of `asyncgrpo run`)."""
+    plot_every_s: float | None = 180.0
+    """Write <run>/plot.png and plot.html (`asyncgrpo plot`) this often while the run runs, and at its end
+    (None: only `asyncgrpo plot RUN` draws them)."""
 
     def __post_init__(self) -> None:
         require(self, "seed", is_int(self.seed, 0), "an integer >= 0")
@@ -86,6 +98,13 @@ class RunConfig:
         require(self, "max_generator_restarts",
                 self.max_generator_restarts is None or is_int(self.max_generator_restarts, 0),
                 "an integer >= 0, or omitted (unlimited)")
+        for name in self.report_to:
+            require(self, "report_to", name in TRACKER_NAMES,
+                    f"a list of trackers from {', '.join(map(repr, TRACKER_NAMES))} (got {name!r})")
+        require(self, "report_to", len(set(self.report_to)) == len(self.report_to), "a list without repeats")
+        require(self, "track_every_s", is_num(self.track_every_s, 0, lo_open=True), "a number of seconds > 0")
+        require(self, "plot_every_s", self.plot_every_s is None or is_num(self.plot_every_s, 0, lo_open=True),
+                "a number of seconds > 0, or none (plot only with asyncgrpo plot)")
 
 
 def _is_gpu_count(x) -> bool:
@@ -233,6 +252,13 @@ def check_consistency(cfg: Config) -> None:
     if cfg.generator.backend == "vllm" and cfg.model.path is None:
         raise ConfigError("generator.backend = 'vllm' needs model.path (a local HF model folder); the "
                           "embedded tiny model runs with the 'hf' backend")
+    if cfg.model.path is None and cfg.task.system_prompt is not None:
+        outside = sorted(set(cfg.task.system_prompt) - set(CHARACTERS))
+        if outside:
+            raise ConfigError(f"task.system_prompt = {cfg.task.system_prompt!r} has characters the embedded tiny "
+                              f"model's tokenizer does not know ({''.join(outside)!r}; it knows "
+                              f"{''.join(CHARACTERS)!r}, no spaces or capitals); write it with those, or set "
+                              "model.path to a model of your own")
     keep, limit = cfg.compactor.keep_versions, cfg.trainer.max_staleness
     if keep is not None and limit is None:
         raise ConfigError(f"compactor.keep_versions ({keep}) needs trainer.max_staleness set (it is none): "

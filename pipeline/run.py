@@ -10,6 +10,9 @@
         (under Ray it is restarted with --resume, up to ray.max_trainer_restarts)
     stop: SIGTERM to every daemon (generators flush, the trainer checkpoints), wait
     greedy accuracy on held-out prompts, after; the run directory; SQL to try next
+    beside it all, a thread (pipeline.trackers.Observer): run.report_to's trackers fed from the
+        run's files every run.track_every_s (started first: one that cannot start stops the run
+        before anything starts), and plot.png / plot.html every run.plot_every_s and at the end
 
 A launcher decides where the daemons run: `LocalLauncher` (the default) starts
 them as subprocesses of this process, `pipeline.ray_launcher.RayLauncher` as Ray
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,8 +38,11 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from pipeline.children import cli_argv, spawn, tail, trainer_argv
 from pipeline.config import save_config
 from pipeline.errors import RunError
+from pipeline.plot import write_plots
 from pipeline.progress import Progress, progress_line, progress_table
 from pipeline.rundir import evaluate_folder, prepare_model, read_run_info, write_run_info
+from pipeline.schema import to_dict
+from pipeline.trackers import Follower, Observer, open_trackers
 from workers.remote_weights import open_weights, work_dir
 
 if TYPE_CHECKING:
@@ -231,6 +238,42 @@ def run_pipeline(run_dir: Path, cfg: Config, *, resume: bool, echo=print, launch
 
 
 def _run(run_dir: Path, cfg: Config, resume: bool, echo, launcher: Launcher) -> dict:
+    observer = Observer(run_dir, open_follower(run_dir, cfg), track_every_s=cfg.run.track_every_s,
+                        plot_every_s=cfg.run.plot_every_s)   # a tracker that cannot start stops the run here
+    try:
+        return _supervise(run_dir, cfg, resume, echo, launcher, observer)
+    finally:
+        observer.stop()
+
+
+def open_follower(run_dir: Path, cfg: Config) -> Follower | None:
+    """The trackers of run.report_to, started, and their follower (None: no trackers). RunError when one
+    cannot start; a run directory (or trackers folder) made for them is then removed again."""
+    if not cfg.run.report_to:
+        return None
+    local = work_dir(run_dir)        # the run directory, or this machine's folder for a run on a store
+    made = local if not local.exists() else local / "trackers" if not (local / "trackers").exists() else None
+    local.mkdir(parents=True, exist_ok=True)
+    try:
+        trackers, state = open_trackers(cfg.run.report_to, run_dir, to_dict(cfg))
+    except RunError:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    return Follower(run_dir, trackers, state)
+
+
+def _plot(run_dir: Path, echo) -> None:
+    """<run>/plot.png and plot.html at the end of the run; a failure is logged, the run's result stands."""
+    try:
+        write_plots(run_dir)
+        echo(f"plots: {work_dir(run_dir) / 'plot.png'} and {work_dir(run_dir) / 'plot.html'}")
+    except Exception as e:  # noqa: BLE001
+        log.warning("writing the plots failed (%s: %s); draw them with: asyncgrpo plot %s", type(e).__name__, e,
+                    run_dir)
+
+
+def _supervise(run_dir: Path, cfg: Config, resume: bool, echo, launcher: Launcher, observer: Observer) -> dict:
     info = read_run_info(run_dir)
     if not resume or "initial_model" not in info:
         model = prepare_model(cfg, echo)  # a missing model folder stops here, before anything is made
@@ -248,6 +291,10 @@ def _run(run_dir: Path, cfg: Config, resume: bool, echo, launcher: Launcher) -> 
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     sup.start()
+    observer.start()
+    if observer.follower is not None:
+        echo(f"trackers {', '.join(cfg.run.report_to)}: {work_dir(run_dir) / 'trackers'} "
+             f"(every {cfg.run.track_every_s:g} s)")
     echo(f"started the trainer, {len(sup.generators)} generator(s){' and a compactor' if sup.helpers else ''}; "
          f"logs in {work_dir(run_dir) / 'logs'}")
     progress = Progress(run_dir, cfg)
@@ -259,7 +306,9 @@ def _run(run_dir: Path, cfg: Config, resume: bool, echo, launcher: Launcher) -> 
         sup.stop()
         for s, h in old.items():
             signal.signal(s, h)
+        observer.stop()   # the trackers get the daemons' last rows
     if sup.failure:
+        _plot(run_dir, echo)
         raise RunError(sup.failure)
     summary = finish(run_dir, cfg, info, progress.snapshot(), echo)
     summary["stopped_by"] = stop_reason["why"] or "trainer finished"
@@ -267,6 +316,8 @@ def _run(run_dir: Path, cfg: Config, resume: bool, echo, launcher: Launcher) -> 
     summary["generator_restarts"] = sum(g.restarts for g in sup.generators)
     summary["trainer_restarts"] = sup.trainer.restarts
     write_run_info(run_dir, {**info, "summary": summary})
+    if cfg.run.plot_every_s is not None:
+        _plot(run_dir, echo)
     return summary
 
 

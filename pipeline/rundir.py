@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from buffer.layout import atomic_write_bytes
 from workers.evaluate import greedy_accuracy_folder
-from workers.model import check_model_folder
+from workers.chat import check_chat_template
+from workers.model import check_model_folder, load_tokenizer
 from workers.rewards import Scorer
 from workers.tasks import load_task
 from workers.warmstart import cached_model
@@ -40,9 +41,15 @@ def write_run_info(run_dir: Path, info: dict) -> None:
 
 
 def prepare_model(cfg: Config, echo=print) -> Path:
-    """The initial policy's folder: the user's, or the embedded model (built and warm-started, cached)."""
+    """The initial policy's folder: the user's, or the embedded model (built and warm-started, cached).
+
+    With task.chat_template = true, a user's folder whose tokenizer has no chat template (or one that
+    cannot render a prompt) is a ModelError naming task.chat_template and the folder, here, before
+    any daemon starts."""
     if cfg.model.path is not None:
-        return check_model_folder(Path(cfg.model.path).expanduser())
+        folder = check_model_folder(Path(cfg.model.path).expanduser())
+        check_chat_template(load_tokenizer(folder), cfg.task.chat(), folder)
+        return folder
     ws = cfg.warmstart
     stop = (f"until dev accuracy >= {ws.target_accuracy:.0%}, at most {ws.steps} steps"
             if ws.target_accuracy is not None else f"{ws.steps} steps")
@@ -55,4 +62,4 @@ def evaluate_folder(cfg: Config, folder: Path) -> float:
     task = load_task(cfg.task)
     prompts = task.eval if cfg.run.eval_size is None else task.eval[: cfg.run.eval_size]
     return greedy_accuracy_folder(folder, prompts, Scorer(cfg.reward),
-                                  max_new_tokens=cfg.run.eval_max_new_tokens)
+                                  max_new_tokens=cfg.run.eval_max_new_tokens, chat=task.chat)

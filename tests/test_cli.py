@@ -9,7 +9,7 @@ import pytest
 from conftest import run_cli
 
 COMMANDS = ["sql", "status", "compact", "demo", "run", "generate", "train", "eval", "init-model", "warmstart",
-            "config", "ablate", "export", "rescore"]
+            "config", "ablate", "export", "rescore", "plot", "track"]
 
 
 @pytest.fixture(scope="module")

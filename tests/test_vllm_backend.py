@@ -136,3 +136,30 @@ def test_vllm_refuses_what_it_cannot_score(engine):
     with pytest.raises(BackendError, match="maximum length 512"):
         engine.generate(["1" * 500], n=1, sampling=SamplingConfig(max_new_tokens=20))
     assert engine.generate([], n=2, sampling=SamplingConfig()) == []
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_feeds_apply_chat_template_ids(engine, folders):
+    """With a chat format the engine gets the ids of apply_chat_template (the module's engine, its
+    chat format set for this test only: the format is used where prompts are encoded, not by vLLM)."""
+    from transformers import AutoTokenizer
+
+    from workers.chat import ChatFormat
+
+    tok = AutoTokenizer.from_pretrained(str(folders[0]))
+    plain = engine.prompt_token_ids(PROMPTS)
+    for chat in (ChatFormat(), ChatFormat("answer,briefly")):
+        system = [{"role": "system", "content": chat.system_prompt}] if chat.system_prompt else []
+        want = [list(tok.apply_chat_template(system + [{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=True)["input_ids"]) for p in PROMPTS]
+        engine.chat = chat
+        try:
+            assert engine.prompt_token_ids(PROMPTS) == want
+            groups = engine.generate(PROMPTS, n=4, sampling=SamplingConfig(max_new_tokens=8), seed=7)
+            # the log-probs are those of the completions after the templated prompt, not the plain one
+            assert worst_logprob_error(engine, folders[0], groups, 1.0) < 1e-5
+        finally:
+            engine.chat = None
+        assert engine.prompt_token_ids(PROMPTS) == plain
+        assert worst_logprob_error(engine, folders[0], groups, 1.0) > 1e-2   # scored after the plain prompts

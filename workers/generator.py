@@ -136,6 +136,7 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     started = time.time()
     # vLLM returns tempered log-probs of the untruncated distribution only when asked for all of them.
     options = {"full_vocab_logprobs": cfg.sampling.truncated} if cfg.backend == "vllm" else {}
+    options["chat"] = task.chat   # prompts through the chat template when task.chat_template is set
     backend, tries = None, 0
     while backend is None:
         version = _wait_for_weights(store, cfg, stop)

@@ -10,7 +10,11 @@ from a config: Qwen2 architecture, 4 layers, hidden 128, 4 heads, intermediate
 
 The tokenizer is a `tokenizers` WordLevel model over single characters: `<bos>`
 is prepended to every encoded text, `<eos>` ends a completion, padding is on
-the left (so a batch of prompts ends at the same column for generation).
+the left (so a batch of prompts ends at the same column for generation). It
+carries a small chat template (`CHAT_TEMPLATE`, saved as chat_template.jinja)
+written in the vocabulary's own characters, so `task.chat_template = true`
+works with it end to end: "<bos>u:12+34=/a:", or "<bos>s:be,brief/u:12+34=/a:" with a
+system prompt.
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 # whitespace in the vocabulary both give the same ids for every text.
 CHARACTERS = list("0123456789+-*=()<>/.,:#?!_") + list("abcdefghijklmnopqrstuvwxyz")
 VOCAB_SIZE = 64  # padded, so embedding rows are a round number
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'][0] }}:{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}/{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}")
+"""The tiny tokenizer's chat template: after one <bos>, each message as "<role initial>:<content>/"
+("s:", "u:", "a:"; an assistant message ends with <eos> instead), then "a:" to open the answer.
+Only characters of CHARACTERS, so nothing becomes <unk>; one-letter roles, because every character
+is a token and the prompt's length is the tiny model's compute."""
 
 
 ONEDNN_ENV = "ASYNCGRPO_ONEDNN"
@@ -64,7 +76,8 @@ class TinyModelSpec:
 
 
 def build_tokenizer():
-    """The character tokenizer as a `PreTrainedTokenizerFast` (left padding, `<bos>` prepended)."""
+    """The character tokenizer as a `PreTrainedTokenizerFast` (left padding, `<bos>` prepended,
+    `CHAT_TEMPLATE` as its chat template)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -77,7 +90,7 @@ def build_tokenizer():
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-        padding_side="left", model_max_length=TinyModelSpec.max_position_embeddings)
+        padding_side="left", model_max_length=TinyModelSpec.max_position_embeddings, chat_template=CHAT_TEMPLATE)
 
 
 def tiny_config(tokenizer, spec: TinyModelSpec = TinyModelSpec()):

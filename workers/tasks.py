@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from workers.chat import ChatFormat
 from workers.checks import ConfigError, is_int, is_num, require
 
 TaskName = Literal["arithmetic", "file"]
@@ -133,6 +134,13 @@ class TaskConfig:
     """Eval prompts: generated (arithmetic), held out of `path`, or the first ones of `eval_path`."""
     mix: LevelMix = field(default_factory=LevelMix)
     """Arithmetic levels and their weights."""
+    chat_template: bool = False
+    """Feed each prompt through the model tokenizer's chat template (a user message, after the
+    system prompt if one is set, then the assistant's opening), in generation, evaluation and the
+    warm start alike: what instruct models expect. The model folder must have a template (the
+    embedded tiny model has a simple one); the buffer's `prompt` column keeps the bare text."""
+    system_prompt: str | None = None
+    """System message put before every prompt; needs chat_template = true. None: no system message."""
 
     def __post_init__(self):
         require(self, "name", self.name in TASK_NAMES, f"one of {TASK_NAMES}")
@@ -155,17 +163,31 @@ class TaskConfig:
                 "an int >= 1 or None (all)")
         require(self, "num_eval", is_int(self.num_eval, 1), "an int >= 1")
         require(self, "mix", isinstance(self.mix, LevelMix), "a LevelMix (a table of level weights)")
+        require(self, "chat_template", isinstance(self.chat_template, bool), "true or false")
+        require(self, "system_prompt", self.system_prompt is None or (isinstance(self.system_prompt, str)
+                                                                      and self.system_prompt != ""),
+                "a non-empty string or unset")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ConfigError(f"TaskConfig.system_prompt = {self.system_prompt!r} needs task.chat_template "
+                              "= true (a system prompt is a message of the chat template); set "
+                              "task.chat_template = true, or unset task.system_prompt")
+
+    def chat(self) -> ChatFormat | None:
+        """How prompts are encoded: through the chat template (with the system prompt), or None (plain)."""
+        return ChatFormat(self.system_prompt) if self.chat_template else None
 
 
 @dataclass
 class Task:
     """The prompts of a run: train (shuffled), a disjoint eval split, and an optional dev split
-    disjoint from both (drawn for the warm start's stop rule)."""
+    disjoint from both (drawn for the warm start's stop rule); `chat` says how they are encoded
+    (`workers.chat.encode_prompts`)."""
 
     name: str
     train: list[Prompt]
     eval: list[Prompt]
     dev: list[Prompt] = field(default_factory=list)
+    chat: ChatFormat | None = None
 
 
 def load_task(cfg: TaskConfig, *, num_dev: int = 0) -> Task:
@@ -179,8 +201,10 @@ def load_task(cfg: TaskConfig, *, num_dev: int = 0) -> Task:
         task = _arithmetic(cfg)
         if num_dev > 0:
             task.dev = _arithmetic_dev(cfg, num_dev, task.train + task.eval)
-        return task
-    return _from_files(cfg)
+    else:
+        task = _from_files(cfg)
+    task.chat = cfg.chat()
+    return task
 
 
 # ---- arithmetic ------------------------------------------------------------------------------

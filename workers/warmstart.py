@@ -6,7 +6,9 @@ train prompts gets it to the point where it is sometimes right:
 
     loss = mean over answer tokens and <eos> of -log p(token | prompt, previous answer tokens)
 
-(prompt tokens carry no loss), AdamW with a linear learning-rate warm-up then
+(prompt tokens carry no loss; prompts are encoded as generation encodes them,
+through the chat template when the task asks for it, so the model learns the
+chat format), AdamW with a linear learning-rate warm-up then
 a constant rate, batches drawn epoch by epoch from a seeded permutation.
 
 When to stop is decided by measurement, not by a step count. Learning 2-digit
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from workers.chat import ChatFormat, check_chat_template, encode_prompts
 from workers.checks import is_int, is_num, require
 from workers.evaluate import evaluate
 from workers.rewards import Scorer
@@ -149,8 +152,9 @@ def dev_split(prompts: list[Prompt], size: int, seed: int) -> tuple[list[Prompt]
     return ([p for i, p in enumerate(prompts) if i not in held], [prompts[i] for i in sorted(held)])
 
 
-def sft_tensors(tokenizer, prompts: list[Prompt]):
-    """Right-padded sequences `<bos> prompt answer <eos>` of `prompts`.
+def sft_tensors(tokenizer, prompts: list[Prompt], chat: ChatFormat | None = None):
+    """Right-padded sequences `<bos> prompt answer <eos>` of `prompts` (with `chat`: the prompt's ids
+    are those of the chat template, `workers.chat.encode_prompts`).
 
     Returns (inputs (N, T), targets (N, T), loss_mask (N, T)): targets are the inputs shifted by
     one, and the mask is 1 where the target is an answer token or the final `<eos>`. Right padding
@@ -159,8 +163,7 @@ def sft_tensors(tokenizer, prompts: list[Prompt]):
     import torch
 
     seqs, starts = [], []
-    for p in prompts:
-        prompt_ids = tokenizer(p.text)["input_ids"]
+    for p, prompt_ids in zip(prompts, encode_prompts(tokenizer, [p.text for p in prompts], chat)):
         answer_ids = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(prompt_ids + answer_ids)
         starts.append(len(prompt_ids))
@@ -198,8 +201,8 @@ class _StopRule:
     did: the jump can pass many points between two checks, but only a few in one step.
     """
 
-    def __init__(self, cfg: WarmstartConfig, tokenizer, dev: list[Prompt]):
-        self.cfg, self.tokenizer, self.dev, self.scorer = cfg, tokenizer, dev, Scorer()
+    def __init__(self, cfg: WarmstartConfig, tokenizer, dev: list[Prompt], chat: ChatFormat | None = None):
+        self.cfg, self.tokenizer, self.dev, self.scorer, self.chat = cfg, tokenizer, dev, Scorer(), chat
         self.checks: list[tuple[int, float]] = []          # (step, dev accuracy), in the order measured
         self.recent: deque[tuple[int, dict]] = deque(maxlen=cfg.eval_every)  # (step, weights) since last check
         self.below: tuple[int, float, dict] | None = None    # the last measured step below the target
@@ -208,7 +211,7 @@ class _StopRule:
 
     def _accuracy(self, step: int, model) -> float:
         acc = evaluate(model, self.tokenizer, self.dev, self.scorer,
-                       max_new_tokens=self.cfg.eval_max_new_tokens).accuracy
+                       max_new_tokens=self.cfg.eval_max_new_tokens, chat=self.chat).accuracy
         self.checks.append((step, acc))
         return acc
 
@@ -268,7 +271,8 @@ class _StopRule:
 
 
 def train_sft(model, tokenizer, train: list[Prompt], cfg: WarmstartConfig, *, dev: list[Prompt] | None = None,
-              progress: bool = False, callback: Callable[[int, object, float], None] | None = None) -> dict:
+              progress: bool = False, callback: Callable[[int, object, float], None] | None = None,
+              chat: ChatFormat | None = None) -> dict:
     """Warm-start `model` in place on `train`; returns what decided the stop.
 
     With `cfg.target_accuracy` set, `dev` is required and the stop rule of the module docstring
@@ -276,6 +280,7 @@ def train_sft(model, tokenizer, train: list[Prompt], cfg: WarmstartConfig, *, de
     ("target", "overshoot, step before kept", "cap" or "steps"), "dev_accuracy" (None without a
     stop rule), "checks" [(step, dev accuracy), in the order measured], "final_loss", "seconds"}.
     `callback(step, model, loss)` runs after each step (for measurements); `progress` shows a bar.
+    `chat`: prompts (trained on and evaluated) go through the tokenizer's chat template.
     """
     import torch
     from tqdm.auto import tqdm
@@ -288,10 +293,10 @@ def train_sft(model, tokenizer, train: list[Prompt], cfg: WarmstartConfig, *, de
     try:
         torch.manual_seed(cfg.seed)
         gen = torch.Generator().manual_seed(cfg.seed)
-        inputs, targets, mask = sft_tensors(tokenizer, train)              # (N, T) each
+        inputs, targets, mask = sft_tensors(tokenizer, train, chat)        # (N, T) each
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                 weight_decay=cfg.weight_decay)
-        rule = _StopRule(cfg, tokenizer, dev) if cfg.target_accuracy is not None else None
+        rule = _StopRule(cfg, tokenizer, dev, chat) if cfg.target_accuracy is not None else None
         model.train()
         order, cursor = torch.randperm(len(inputs), generator=gen), 0
         loss_value, step, t0 = float("nan"), 0, time.perf_counter()
@@ -349,7 +354,9 @@ def warmstart(base_folder: str | os.PathLike, out_folder: str | os.PathLike, tas
     from workers.model import load_model, load_tokenizer
 
     base, out = Path(base_folder), Path(out_folder)
-    model, tokenizer = load_model(base), load_tokenizer(base)
+    tokenizer = load_tokenizer(base)
+    check_chat_template(tokenizer, task.chat, base)
+    model = load_model(base)
     if cfg.target_accuracy is None:
         train, dev = task.train, []
     elif task.dev:
@@ -357,16 +364,17 @@ def warmstart(base_folder: str | os.PathLike, out_folder: str | os.PathLike, tas
     else:
         train, dev = dev_split(task.train, cfg.dev_size, cfg.seed)
     train = select_levels(train, cfg.levels)
-    stats = train_sft(model, tokenizer, train, cfg, dev=dev, progress=progress)
+    stats = train_sft(model, tokenizer, train, cfg, dev=dev, progress=progress, chat=task.chat)
     stats["eval_accuracy"] = evaluate(model, tokenizer, task.eval, Scorer(),
-                                      max_new_tokens=cfg.eval_max_new_tokens).accuracy
+                                      max_new_tokens=cfg.eval_max_new_tokens, chat=task.chat).accuracy
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(base, tmp)
     model.save_pretrained(tmp)
     meta_path = tmp / "asyncgrpo.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    meta["warmstart"] = {"config": dataclasses.asdict(cfg), "task": task.name, "num_train": len(train),
+    meta["warmstart"] = {"config": dataclasses.asdict(cfg), "task": task.name,
+                         "chat": None if task.chat is None else dataclasses.asdict(task.chat), "num_train": len(train),
                          "num_dev": len(dev), "num_eval": len(task.eval), **stats}
     meta_path.write_text(json.dumps(meta, indent=2))
     if out.exists():
@@ -377,14 +385,23 @@ def warmstart(base_folder: str | os.PathLike, out_folder: str | os.PathLike, tas
     return out
 
 
+CHAT_KEYS = ("chat_template", "system_prompt")
+"""TaskConfig fields that enter the cache key only when chat_template is on: the key of a config
+without chat prompts is the hash of the other fields alone, as it was before chat prompts existed,
+so models cached then are still found."""
+
+
 def cache_key(task_cfg: TaskConfig, ws_cfg: WarmstartConfig) -> str:
     """Hash of what the cached model depends on: both configs and the prompt files' bytes."""
     ws = {k: v for k, v in dataclasses.asdict(ws_cfg).items() if k not in ("num_threads", "log_every")}
+    task = dataclasses.asdict(task_cfg)
+    if not task_cfg.chat_template:
+        task = {k: v for k, v in task.items() if k not in CHAT_KEYS}
     files = {}
     for path in (task_cfg.path, task_cfg.eval_path):
         if path is not None and Path(path).is_file():
             files[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    blob = json.dumps({"version": CACHE_VERSION, "task": dataclasses.asdict(task_cfg), "warmstart": ws,
+    blob = json.dumps({"version": CACHE_VERSION, "task": task, "warmstart": ws,
                        "files": files}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

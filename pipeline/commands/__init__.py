@@ -4,5 +4,6 @@
     daemons      run, generate, train, compactor, eval, init-model, warmstart
     experiments  config, ablate
     reuse        export, rescore                      (a run's stored rollouts)
+    observe      plot, track                          (charts and trackers of a run)
     options      what the commands share (CONFIG, --set, logging)
 """

@@ -22,6 +22,7 @@ from pipeline.errors import UserError, user_errors
 from pipeline.ray_launcher import RayLauncher
 from pipeline.run import run_pipeline
 from pipeline.rundir import evaluate_folder, prepare_model, read_run_info
+from workers.chat import ChatFormat, check_chat_template, encode_prompts
 from workers.compactor import run_compactor
 from workers.generator import Admission, run_generator
 from workers.model import init_model, load_tokenizer
@@ -69,6 +70,7 @@ def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bo
       asyncgrpo run                                   # the default job (what `make run` runs)
       asyncgrpo run configs/default.toml --run runs/a --set trainer.max_staleness=4
       asyncgrpo run --resume --run runs/a
+      asyncgrpo run --run runs/chat --set task.chat_template=true --set task.system_prompt=be,brief
       asyncgrpo run --launcher ray --set run.num_generators=2 --set ray.generator_cpus=0.5
       asyncgrpo run configs/gpu_vllm.toml --run /shared/runs/b --launcher ray --address auto
       AWS_ENDPOINT_URL=http://127.0.0.1:9000 asyncgrpo run --run s3://runs/c
@@ -157,19 +159,22 @@ def train(run_dir: str, resume: bool, offline: bool, overrides: tuple[str, ...])
     if model is None:
         raise UserError(f"{run_dir!r} names no initial model (run.json missing); start it with "
                         "`asyncgrpo run`, or set model.path")
-    _check_model_matches_buffer(as_path(run_dir), Path(model))
+    _check_model_matches_buffer(as_path(run_dir), Path(model), cfg.task.chat())
     workers.trainer.run_trainer(as_path(run_dir), cfg.trainer, model_folder=Path(model), resume=resume, offline=offline)
 
 
-def _check_model_matches_buffer(run_dir: Path, model: Path) -> None:
-    """A buffer written with another tokenizer would train on garbage: refuse it."""
+def _check_model_matches_buffer(run_dir: Path, model: Path, chat: ChatFormat | None) -> None:
+    """A model whose tokenizer lacks the chat template asked for, or a buffer written with another
+    tokenizer or chat format, would train on garbage: refuse them."""
+    tok = load_tokenizer(model)
+    check_chat_template(tok, chat, model)
     if not buffer.BufferDir.is_buffer(run_dir / "buffer"):
         return
-    tok = load_tokenizer(model)
     row = buffer.BufferSQL(run_dir).query("SELECT prompt, prompt_ids FROM rollouts LIMIT 1").to_pylist()
-    if row and tok(row[0]["prompt"])["input_ids"] != row[0]["prompt_ids"]:
-        raise UserError(f"the buffer in {run_dir} was written with another tokenizer than the model in "
-                        f"{model} (prompt {row[0]['prompt']!r} has other token ids); use a new run directory")
+    if row and encode_prompts(tok, [row[0]["prompt"]], chat)[0] != row[0]["prompt_ids"]:
+        raise UserError(f"the buffer in {run_dir} was written with another tokenizer or chat format "
+                        f"(task.chat_template) than the model in {model} and this config give (prompt "
+                        f"{row[0]['prompt']!r} has other token ids); use a new run directory")
 
 
 @click.command()
@@ -262,6 +267,7 @@ def warmstart(config: str | None, overrides: tuple[str, ...]) -> None:
       asyncgrpo warmstart
       asyncgrpo warmstart --set warmstart.target_accuracy=0.35
       asyncgrpo warmstart --set warmstart.target_accuracy=none --set warmstart.steps=600
+      asyncgrpo warmstart --set task.chat_template=true      # on prompts in the chat format
     """
     setup_logging()
     cfg = load_config(config, overrides)

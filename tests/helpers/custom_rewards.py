@@ -39,3 +39,8 @@ def huge(prompt: str, completion: str, answer: str) -> float:
 
 def huge_too(prompt: str, completion: str, answer: str) -> float:
     return 1e308
+
+
+def text_checksum(prompt: str, completion: str, answer: str) -> float:
+    """Sum of the completion's character codes mod 7: spread within a group whatever the model's accuracy."""
+    return float(sum(map(ord, completion)) % 7)

