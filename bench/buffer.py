@@ -1,6 +1,7 @@
 """Benchmark of the replay buffer: append, pull and SQL aggregate throughput.
 
     python bench/buffer.py [--groups 100000] [--repeats 3] [--dir /tmp] [--keep]
+    python bench/buffer.py --run s3://bench/buf --local-s3 --groups 10000   # object store vs local disk
 
 Progress goes to stderr; the last line on stdout is one JSON object with the
 measurements and a `targets` object of booleans (targets are for the 2-core
@@ -29,6 +30,14 @@ What is measured:
   eligible. The first `--warmup-pulls` pulls are not counted.
 - aggregate: `SELECT version, avg(reward) FROM rollouts GROUP BY version` through
   a fresh buffer.BufferSQL(...).query each time; median.
+
+With `--run URL` (an object store: s3://bucket/prefix) the same buffer of `--groups`
+groups is built, pulled from and aggregated on a local disk and at URL, one after
+the other in one run, and the JSON holds both sets of figures and their ratios
+(store over local): `append_traj_per_s` (the build, data generation included),
+`pull_p50_ms`, `pull_p99_ms`, `sampler_open_s`, `aggregate_ms`. `--local-s3`
+starts moto's S3 server on 127.0.0.1 for it (what the tests use) and creates the
+bucket; otherwise the endpoint and credentials come from the environment.
 """
 
 from __future__ import annotations
@@ -271,6 +280,41 @@ def bench_aggregate(root: Path, repeats: int) -> dict:
     return out
 
 
+def _shard_bytes(root) -> int:
+    return sum(p.stat().st_size for p in BufferDir(root).live_shards())
+
+
+def compare_stores(url: str, local_parent: Path, data: Data, args, fsync: bool) -> dict:
+    """Build, pull and aggregate the same buffer on a local disk and at `url`; both sets of figures."""
+    from buffer.store import remove_tree, store_path
+
+    out = {}
+    for where, root in (("local", local_parent / "buf-local"), ("store", store_path(url) / "buffer")):
+        log(f"{where}: {root}")
+        w = ShardWriter(root, flush_groups=args.flush_groups, flush_seconds=None, fsync=fsync)
+        t0 = time.perf_counter()
+        for i in range(args.groups):
+            w.append(data.group(i, data.version_of(i)))
+        w.close()
+        build_s = time.perf_counter() - t0
+        log(f"{where}: built {args.groups:,} groups in {build_s:.1f} s, {w.num_shards_written} shards, "
+            f"{_shard_bytes(root) / 2**20:.0f} MiB")
+        pull = bench_pull(root, args.groups, args.pulls, args.warmup_pulls)
+        agg = bench_aggregate(root, max(5, args.repeats))
+        out[where] = {"append_traj_per_s": round(args.groups * GROUP_SIZE / build_s),
+                      "pull_p50_ms": round(pull["p50"], 2), "pull_p99_ms": round(pull["p99"], 2),
+                      "sampler_open_s": round(pull["open_s"], 2), "aggregate_ms": round(agg["median"], 1),
+                      "files": len(BufferDir(root).live_shards())}
+        if not args.keep:
+            remove_tree(root)
+    out["store_over_local"] = {k: round(out["store"][k] / out["local"][k], 3) for k in
+                               ("append_traj_per_s", "pull_p50_ms", "pull_p99_ms", "sampler_open_s", "aggregate_ms")
+                               if out["local"][k]}
+    out["info"] = {"url": url, "groups": args.groups, "group_size": GROUP_SIZE, "pull_groups": PULL_GROUPS,
+                   "flush_groups": args.flush_groups, "cpus": os.cpu_count()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", type=int, default=100_000, help="groups in the large buffer (pull, aggregate)")
@@ -284,8 +328,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=None, help="where to put the buffers (default: a temp dir under /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the buffers afterwards")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run", default=None, metavar="URL",
+                    help="also at this object-store URL (s3://bucket/prefix), side by side with a local disk")
+    ap.add_argument("--local-s3", action="store_true",
+                    help="with --run: start moto's S3 server on 127.0.0.1 and create the bucket")
     args = ap.parse_args(argv)
     fsync = not args.no_fsync
+    if args.run is not None:
+        server = None
+        if args.local_s3:
+            from tests.helpers.s3server import S3Server
+            server = S3Server()
+            os.environ.update(server.env)
+            server.create_bucket(args.run.split("://", 1)[1].split("/", 1)[0])
+            log(f"moto S3 server at {server.endpoint}")
+        base = Path(tempfile.mkdtemp(prefix="bench-buffer-", dir=args.dir))
+        try:
+            print(json.dumps(compare_stores(args.run, base, Data(args.seed), args, fsync)))
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+            if server is not None:
+                server.stop()
+        return
 
     parent = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)

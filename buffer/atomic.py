@@ -68,7 +68,8 @@ def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[B
     """
     if type(final).__name__ == "RemotePath":   # an object store: a local temp file, then one upload
         import tempfile
-        fd, local = tempfile.mkstemp(prefix="asyncgrpo-", suffix=".upload")
+        clean_upload_spool()
+        fd, local = tempfile.mkstemp(prefix=f"asyncgrpo-{os.getpid()}-", suffix=".upload")
         try:
             with os.fdopen(fd, "wb") as f:
                 yield f
@@ -92,6 +93,23 @@ def atomic_file(tmp_dir: Path, final: Path, *, fsync: bool = True) -> Iterator[B
         if isinstance(e, OSError) and not isinstance(e, StorageError) and e.errno is not None:
             raise StorageError(final, e) from e
         raise
+
+
+_SPOOL_CLEANED = False
+
+
+def clean_upload_spool() -> None:
+    """Remove the local spool files of uploads whose process is gone (a kill -9 mid-upload), once per
+    process: '<temp dir>/asyncgrpo-<pid>-*.upload'."""
+    global _SPOOL_CLEANED
+    if _SPOOL_CLEANED:
+        return
+    _SPOOL_CLEANED = True
+    import tempfile
+    for p in Path(tempfile.gettempdir()).glob("asyncgrpo-*-*.upload"):
+        pid = p.name.split("-")[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            p.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(tmp_dir: Path, final: Path, data: bytes) -> None:

@@ -51,7 +51,7 @@ import pyarrow.parquet as pq
 
 from buffer.fileset import SHARD_SUMMARY, SOURCES_KEY, SUMMARY_KEY, FileSet, pack_columns
 from buffer.layout import BufferDir, atomic_file, ledger_range
-from buffer.store import RemotePath, parquet_file, read_metadata
+from buffer.store import RemotePath, StoreError, parquet_file, read_metadata
 from buffer.schema import parquet_write_options
 
 LEDGER_TARGET_ROWS = 262_144   # ledger records per merged ledger file (one per group pulled)
@@ -106,6 +106,8 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
                 seen[p.name] = (st.st_ino, st.st_mtime_ns, groups)
             except FileNotFoundError:
                 continue
+            except StoreError:   # the store unreachable: not a damaged file
+                raise
             except Exception as e:  # noqa: BLE001 - unreadable footer
                 d.quarantine(p, f"unreadable during compaction: {type(e).__name__}: {e}")
                 report.quarantined += 1
@@ -277,6 +279,8 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: i
                 try:
                     pf = parquet_file(p, page_checksum_verification=True)
                     parts = [pf.read_row_group(i) for i in range(pf.metadata.num_row_groups)]
+                except StoreError:   # the store unreachable: not a damaged file
+                    raise
                 except Exception as e:  # noqa: BLE001
                     d.quarantine(p, f"unreadable during compaction: {type(e).__name__}: {e}")
                     if writer is not None:

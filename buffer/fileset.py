@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -129,11 +130,19 @@ class FileSet:
         self.folder, self.manifest_path, self.lock, self.tmp = folder, manifest_path, lock, tmp
         self.is_member, self.is_compacted = is_member, is_compacted
         self.c_name = c_name or (lambda generation, i, _names: f"c-{generation:06d}-{i:04d}.parquet")
+        self._seen = threading.local()   # on an object store: the ETag of this thread's last manifest read
 
     # -- the manifest --------------------------------------------------------------
     def read_manifest(self) -> Manifest:
         try:
-            raw = json.loads(self.manifest_path.read_text())
+            if isinstance(self.manifest_path, RemotePath):
+                got = self.manifest_path.store.read_versioned(self.manifest_path.key)
+                self._seen.etag = None if got is None else got[1]   # for write_manifest's If-Match
+                if got is None:
+                    return Manifest.empty()
+                raw = json.loads(got[0])
+            else:
+                raw = json.loads(self.manifest_path.read_text())
         except FileNotFoundError:
             return Manifest.empty()
         except (OSError, ValueError) as e:
@@ -145,10 +154,23 @@ class FileSet:
             raise BufferError(f"unreadable manifest {self.manifest_path}: {type(e).__name__}: {e}") from e
 
     def write_manifest(self, m: Manifest) -> None:
-        """Replace the manifest atomically; the caller holds the lock."""
+        """Replace the manifest atomically; the caller holds the lock (and read it under the lock).
+
+        On an object store the write is conditional on the manifest being the one this thread read last
+        (If-Match on its ETag): a lock holder whose lease lapsed (a long pause) cannot overwrite what the
+        next holder wrote; its merge is abandoned instead (its c-file never goes live, and is deleted as
+        an orphan later), so nothing is lost or counted twice."""
         raw = {"generation": m.generation, "compacted": list(m.compacted), "replaced": m.replaced}
+        data = json.dumps(raw, indent=1).encode()
+        if isinstance(self.manifest_path, RemotePath):
+            etag = self.manifest_path.store.replace_if(self.manifest_path.key, data, getattr(self._seen, "etag", None))
+            if etag is None:
+                raise BufferError(f"{self.manifest_path} was changed by another process while this one held "
+                                  "the lock (its lease lapsed); this change is abandoned, nothing is lost")
+            self._seen.etag = etag
+            return
         with atomic_file(self.tmp, self.manifest_path) as f:
-            f.write(json.dumps(raw, indent=1).encode())
+            f.write(data)
 
     # -- listing ---------------------------------------------------------------------
     def _live(self) -> dict[str, object]:

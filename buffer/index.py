@@ -56,7 +56,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from buffer.layout import BufferDir, BufferError, ledger_range
-from buffer.store import parquet_file, read_table
+from buffer.store import StoreError, parquet_file, read_table
 from buffer.retention import read_floor
 from buffer.schema import FILTER_REASONS, INDEX_COLUMNS, staleness
 
@@ -265,6 +265,8 @@ class GroupIndex:
         except FileNotFoundError:
             self._pass_complete = False   # this listing missed where its groups went: no watermark from it
             return  # compacted away between listing and reading; the c-file has its groups
+        except StoreError:   # the store unreachable: not a damaged file
+            raise
         except Exception as e:  # noqa: BLE001 - any decode error means the file is unusable
             self.mark_unreadable(path, f"unreadable: {type(e).__name__}: {e}")
             return

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Literal
 
 from buffer.atomic import BufferError, atomic_file, atomic_write_bytes, clean_tmp_dir
 from buffer.layout import SHARD_SUFFIX, BufferDir
-from buffer.store import RemotePath, list_names, read_metadata, read_table
+from buffer.store import RemotePath, StoreError, list_names, read_metadata, read_table
 
 if TYPE_CHECKING:   # pyarrow is imported where used: `asyncgrpo --help` reaches this module
     import pyarrow.parquet as pq
@@ -192,6 +192,8 @@ def _footer_facts(path: Path, cache: dict, fresh: dict) -> tuple[int, int] | Non
         top = file_max(path, "version", meta)
     except FileNotFoundError:
         return None
+    except StoreError:   # the store unreachable: not a damaged file
+        raise
     except Exception:  # noqa: BLE001 - an unreadable footer: compaction and the index quarantine it
         return None
     if top is None:
@@ -254,6 +256,14 @@ def _link_or_copy(d: BufferDir, src: Path) -> Path:
     dest_dir = archive_shards_dir(d.root)
     dest = dest_dir / src.name
     dest_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(src, RemotePath):   # an object store: a server-side copy (one there already is kept)
+        store = src.store
+        if not dest.is_file():
+            store._retry("copy", lambda: store.fs.copy(store._key(src.key), store._key(dest.key)))
+        if dest.stat().st_size != src.stat().st_size:
+            raise BufferError(f"cannot archive {src}: {dest} exists and is another file "
+                              f"({dest.stat().st_size} bytes, not {src.stat().st_size}); move it aside")
+        return dest
     try:
         os.link(src, dest)
         return dest

@@ -37,7 +37,7 @@ from filelock import Timeout
 from buffer.fileset import SOURCES_KEY, read_sources
 from buffer.index import ELIGIBLE, GroupIndex
 from buffer.layout import BufferDir, BufferError, atomic_file, is_ledger_c_name, is_ledger_name, ledger_range
-from buffer.store import list_names, move, parquet_file, store_lock
+from buffer.store import StoreError, list_names, move, parquet_file, store_lock
 from buffer.schema import LEDGER_SCHEMA, staleness
 
 Order = Literal["oldest", "newest", "uniform"]
@@ -82,6 +82,13 @@ class Sampler:
         except Timeout:
             raise BufferError(f"another trainer holds {self.dir.root / 'ledger.lock'}; "
                               "one trainer per buffer") from None
+        try:
+            self._open(as_of_step, reuse, cache_bytes)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _open(self, as_of_step: int | None, reuse: int, cache_bytes: int) -> None:
         if as_of_step is not None:
             self._abandon_after(as_of_step)
         self.index = GroupIndex(self.dir.root, quarantine=True, retire=True, reuse=reuse)
@@ -271,6 +278,8 @@ class Sampler:
             try:
                 pf = parquet_file(path, page_checksum_verification=True)
                 t = pf.read_row_groups(missing)
+            except StoreError:   # the store unreachable: not a damaged file
+                raise
             except Exception as e:  # noqa: BLE001 - FileNotFound (deleted) or corrupt data pages
                 self.index.mark_unreadable(path, f"unreadable during pull: {type(e).__name__}: {e}")
                 return None
@@ -317,6 +326,8 @@ class Sampler:
             "consumed_at": pa.array(np.full(n, now_us, np.int64)).cast(pa.timestamp("us", tz="UTC")),
         }, schema=LEDGER_SCHEMA)
         final = self.dir.ledger / f"step-{trainer_step:09d}-{seq:04d}.parquet"
+        if hasattr(self._lock, "assert_held"):   # on an object store: only while the trainer lease is ours
+            self._lock.assert_held()
         with atomic_file(self.dir.tmp, final) as f:
             pq.write_table(table, f, compression="zstd")
         self.index.mark_ledger_seen(final.name)

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from buffer.layout import BufferDir, BufferError, find_buffer, run_file_set
-from buffer.store import read_table
+from buffer.store import StoreError, read_table
 from buffer.retention import archived_shards
 from buffer.schema import LEDGER_SCHEMA, ROLLOUT_SCHEMA
 
@@ -130,7 +130,13 @@ def check_read_only(sql: str) -> None:
 
 
 def _clean(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    """The error's first line; for an error that carries a Python traceback (a read through the object
+    store's filesystem failed), its last line, which says what failed."""
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return lines[-1].strip() if "Traceback" in lines[0] or lines[0].rstrip().endswith("Traceback (most recent call last):") \
+        else lines[0]
 
 
 def offline_connection() -> duckdb.DuckDBPyConnection:
@@ -277,6 +283,8 @@ class BufferSQL:
         for p in named:
             if not p.exists():
                 continue  # compaction deleted it after its grace period; relisting drops it
+            if self.dir.remote and _readable(p):
+                continue  # on an object store the error was the store's (a dropped connection): try again
             reason = f"unreadable in SQL: {_clean(e)}"
             moved = None
             if self.quarantine and p.parent == self.dir.shards:
@@ -296,5 +304,7 @@ def _readable(p: Path) -> bool:
         return True
     except FileNotFoundError:
         return True
+    except StoreError:   # the store unreachable: not a damaged file
+        raise
     except Exception:  # noqa: BLE001
         return False

@@ -28,6 +28,7 @@ StoreError that says which.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
@@ -47,7 +48,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "abfs")
-DEFAULT_RETRY_S = 60.0
+DEFAULT_RETRY_S = float(os.environ.get("ASYNCGRPO_STORE_RETRY_S", "60"))
+"""How long a store operation is retried while the endpoint is unreachable or failing (seconds):
+$ASYNCGRPO_STORE_RETRY_S, default 60. After that it fails with a StoreError naming the endpoint."""
 
 
 class StoreError(BufferError):
@@ -211,21 +214,46 @@ class LocalStore(Store):
         return pafs.LocalFileSystem()
 
 
+_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                    "ThrottlingException", "RequestTimeTooSkewed", "ConditionalRequestConflict"}
+
+
+def _error_code(e: BaseException) -> tuple[str | None, int | None]:
+    """(S3 error code, HTTP status) of a botocore ClientError behind `e` (s3fs wraps them), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error", {})
+            return err.get("Code"), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        e = e.__cause__ or e.__context__
+    return None, None
+
+
 def _transient(e: BaseException) -> bool:
-    """Whether `e` may pass if tried again: the endpoint down or slow, throttling, a 5xx."""
+    """Whether `e` may pass if tried again: the endpoint down or slow, throttling, a 5xx. Judged by the
+    exception's type and the S3 error code, never by the message (which holds bucket and key names)."""
+    if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, StoreError)):
+        return False
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True
-    name = type(e).__name__
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ClientConnectorError",
-                "ServerDisconnectedError", "ClientOSError", "ConnectionClosedError", "ServerTimeoutError"):
+    if type(e).__name__ in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                            "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
+                            "ConnectionClosedError", "ServerTimeoutError", "ClientPayloadError"):
         return True
-    text = str(e)
-    if any(s in text for s in ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500 ", "RequestTimeout")):
+    code, status = _error_code(e)
+    if code in _TRANSIENT_CODES or (status is not None and status >= 500):
         return True
     if isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE):
         return True
     cause = e.__cause__ or e.__context__
     return cause is not None and cause is not e and _transient(cause)
+
+
+def _no_such_bucket(e: BaseException) -> bool:
+    code, _ = _error_code(e)
+    return code == "NoSuchBucket" or "The specified bucket does not exist" in str(e)
 
 
 def _mtime(info: dict) -> float:
@@ -245,7 +273,7 @@ class FsspecStore(Store):
         self.bucket = rest.split("/", 1)[0]
         self.retry_s = retry_s
         # Few retries inside s3fs and botocore: `_retry` owns the backoff, so retry_s bounds the wait.
-        opts = ({"config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
+        opts = ({"config_kwargs": {"connect_timeout": 5, "read_timeout": 15,
                                                   "retries": {"max_attempts": 2, "mode": "standard"}}}
                 if self.scheme == "s3" else {})
         try:
@@ -295,7 +323,7 @@ class FsspecStore(Store):
             try:
                 infos = self.fs.ls(key, detail=True, refresh=True)
             except FileNotFoundError as e:
-                if "bucket" in str(e).lower():
+                if _no_such_bucket(e):
                     raise
                 return []
             return [Entry(i["name"].rsplit("/", 1)[-1], int(i.get("size") or 0), _mtime(i))
@@ -309,7 +337,13 @@ class FsspecStore(Store):
                 self.fs.pipe_file(self._key(name), data, mode="create")
                 return True
             except FileExistsError:
-                return False
+                # Also what a retried PUT whose first try succeeded (its answer lost) gets: the object holds
+                # exactly these bytes then. Callers make their bytes their own (a nonce, pid and time), or
+                # write bytes that any writer may equally have written (COMPLETE.json).
+                try:
+                    return self.fs.cat_file(self._key(name)) == data
+                except FileNotFoundError:
+                    return False
         return self._retry("put", put)
 
     def publish(self, name: str, data: bytes) -> None:
@@ -329,6 +363,39 @@ class FsspecStore(Store):
     def download(self, name: str, local: Path) -> None:
         self._retry("download", lambda: self.fs.get_file(self._key(name), str(local)))
 
+    # -- replace-if-unchanged (S3's If-Match): the manifests -----------------------------
+    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+        """(content, ETag) of `name`, None if absent. The ETag is read first: if the object changes
+        between the two reads, the ETag is the older one and a replace_if with it fails (safe)."""
+        bucket, key = self._key(name).split("/", 1)
+
+        def get():
+            try:
+                etag = self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
+                return self.fs.cat_file(self._key(name)), etag
+            except FileNotFoundError:
+                return None
+        return self._retry("read", get)
+
+    def replace_if(self, name: str, data: bytes, etag: str | None) -> str | None:
+        """PUT `data` only if `name` still has ETag `etag` (None: only if it does not exist); the new
+        ETag, or None when another writer changed it first (nothing written)."""
+        bucket, key = self._key(name).split("/", 1)
+        cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+
+        def put():
+            try:
+                return self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **cond)["ETag"]
+            except (FileExistsError, FileNotFoundError):
+                return None     # 412 (s3fs: FileExistsError), or If-Match on an object deleted meanwhile
+            except Exception as e:
+                if any(t in str(e) for t in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")):
+                    return None
+                raise
+        out = self._retry("put", put)
+        self.fs.invalidate_cache(self._key(name))
+        return out
+
     def check(self) -> None:
         probe = f".check-{uuid.uuid4().hex[:8]}"
         try:
@@ -340,18 +407,18 @@ class FsspecStore(Store):
 
     @staticmethod
     def _misconfigured(e: Exception) -> bool:
-        low = f"{type(e).__name__}: {e}".lower()
-        return (isinstance(e, PermissionError) or ("bucket" in low and ("not exist" in low or "nosuchbucket" in low))
-                or any(s in low for s in ("credential", "accessdenied", "access denied", "invalidaccesskeyid",
-                                          "signaturedoesnotmatch", "forbidden")))
+        """No bucket, or credentials refused (judged by the error code or type, not by key names)."""
+        code, status = _error_code(e)
+        return (isinstance(e, PermissionError) or _no_such_bucket(e) or status == 403
+                or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                            "InvalidToken") or type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"))
 
     def _explain(self, e: Exception) -> str:
         text = f"{type(e).__name__}: {e}"
         low = text.lower()
-        if "bucket" in low and ("not exist" in low or "nosuchbucket" in low):
+        if _no_such_bucket(e):
             return f"{self.uri}: the bucket {self.bucket!r} does not exist at {self.endpoint()} ({e}); create it first"
-        if any(s in low for s in ("credential", "accessdenied", "access denied", "invalidaccesskeyid",
-                                   "signaturedoesnotmatch", "forbidden", "permission")) or isinstance(e, PermissionError):
+        if self._misconfigured(e) or "credential" in low:
             return (f"{self.uri}: the credentials were rejected at {self.endpoint()} ({text}); set "
                     f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE for this bucket")
         if _transient(e) or "connect" in low or "endpoint" in low:
@@ -374,6 +441,9 @@ class FsspecStore(Store):
 
 class Conflict(BufferError):
     """Another writer created the next number first; read again and retry."""
+
+
+_NONCE = "_writer_nonce"
 
 
 class Numbered:
@@ -417,14 +487,19 @@ class Numbered:
             except FileNotFoundError:
                 continue    # pruned between the listing and the read: list again
             try:
-                return n, json.loads(raw)
+                state = json.loads(raw)
+                state.pop(_NONCE, None)
+                return n, state
             except ValueError as e:
                 raise BufferError(f"unreadable {self.store.uri}/{self._name(n)}: {e}") from e
         raise BufferError(f"{self.store.uri}/{self.folder}: {self.stem} kept changing while being read")
 
     def create(self, n: int, state: dict) -> bool:
         """Make `state` number n; False if n exists (another writer was first)."""
-        ok = self.store.put_new(self._name(n), json.dumps(state, sort_keys=True).encode())
+        # A nonce makes each writer's bytes its own: put_new tells a retried PUT of ours (same bytes)
+        # from another writer's equal state (which must count as a conflict).
+        data = json.dumps({**state, _NONCE: uuid.uuid4().hex}, sort_keys=True).encode()
+        ok = self.store.put_new(self._name(n), data)
         if ok and n > self.keep:
             self.prune()
         return ok
@@ -461,10 +536,21 @@ class LeaseHeld(BufferError):
     """Another process holds the lease; the message names it."""
 
 
+def host_id() -> str:
+    """This machine and pid namespace: the host name, the boot id and the pid namespace's inode (two
+    containers of one host share a host name, not a pid namespace)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot, ns = "", 0
+    return f"{os.uname().nodename}/{boot}/{ns}"
+
+
 def _dead_here(state: dict) -> bool:
-    """Whether a lease's holder was a process of this host that is gone (killed): free at once, as a
-    local lock file's would be."""
-    return state.get("host") == os.uname().nodename and not pid_alive(int(state.get("pid", -1)))
+    """Whether a lease's holder was a process of this host (and pid namespace) that is gone (killed):
+    free at once, as a local lock file's would be."""
+    return state.get("host_id") == host_id() and not pid_alive(int(state.get("pid", -1)))
 
 
 class Lease:
@@ -484,7 +570,8 @@ class Lease:
         self.epoch: int | None = None
 
     def _mine(self, now: float) -> dict:
-        return {"holder": self.holder, "host": os.uname().nodename, "pid": os.getpid(), "expires": now + self.ttl_s}
+        return {"holder": self.holder, "host": os.uname().nodename, "host_id": host_id(), "pid": os.getpid(),
+                "expires": now + self.ttl_s}
 
     def acquire(self) -> None:
         def take(state):
@@ -637,27 +724,72 @@ def arrow_source(path) -> tuple[object, object | None]:
     return path.arrow() if isinstance(path, RemotePath) else (path, None)
 
 
+class RetryingFile(io.RawIOBase):
+    """A read-only file over one object whose every read is retried like the store's own calls (the
+    endpoint down a while, a connection reset), reopening the object where the last read stopped.
+    What pyarrow's Parquet readers read remote shards through, so an outage delays a read rather than
+    making a healthy shard look unreadable. Each read is one ranged GET (pyarrow reads a footer, then
+    whole column chunks). A missing object is FileNotFoundError, as locally."""
+
+    def __init__(self, path: "RemotePath"):
+        super().__init__()
+        self.path, self.pos = path, 0
+        self._key = path.store._key(path.key)
+        self.size = path.stat().st_size if path.entry is not None else path.store._retry(
+            "stat", lambda: int(path.store.fs.info(self._key)["size"]))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.pos if n is None or n < 0 else min(n, max(self.size - self.pos, 0))
+        if n <= 0:
+            return b""
+
+        start = self.pos
+        data = self.path.store._retry("read", lambda: self.path.store.fs.cat_file(self._key, start=start,
+                                                                                 end=start + n))
+        self.pos += len(data)
+        return data
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+
 def parquet_file(path, **kw):
     import pyarrow.parquet as pq
-    source, fs = arrow_source(path)
-    if fs is None:
-        return pq.ParquetFile(source, **kw)
-    return pq.ParquetFile(fs.open(source, "rb"), **kw)
+    if isinstance(path, RemotePath):
+        return pq.ParquetFile(RetryingFile(path), **kw)
+    return pq.ParquetFile(path, **kw)
 
 
 def read_table(path, **kw):
     import pyarrow.parquet as pq
-    source, fs = arrow_source(path)
-    return pq.read_table(source, filesystem=fs, **kw) if fs is not None else pq.read_table(source, **kw)
+    if isinstance(path, RemotePath):
+        return pq.read_table(RetryingFile(path), **kw)
+    return pq.read_table(path, **kw)
 
 
 def read_metadata(path):
     import pyarrow.parquet as pq
-    source, fs = arrow_source(path)
-    if fs is None:
-        return pq.read_metadata(source)
-    with fs.open(source, "rb") as f:
-        return pq.read_metadata(f)
+    if isinstance(path, RemotePath):
+        return pq.read_metadata(RetryingFile(path))
+    return pq.read_metadata(path)
 
 
 def list_entries(folder) -> dict[str, Entry | None]:
@@ -677,19 +809,33 @@ def list_names(folder) -> list[str]:
 
 class LeaseLock:
     """filelock.FileLock's interface (acquire(timeout), release, is_locked, `with`, re-entrant) on a
-    store, built on `Lease`: acquiring waits while another process holds it, a thread renews it while
-    held, and a holder killed with -9 frees it `ttl_s` later."""
+    store, built on `Lease`: acquiring waits while another process holds it, a thread renews it every
+    ttl_s / 3 while held, and a holder killed with -9 frees it `ttl_s` later (at once on its own host).
+
+    A holder can lose the lease while it runs (paused, or the store unreachable for longer than the
+    lease): `assert_held()` raises LeaseHeld once the last successful renewal is older than the lease,
+    and the buffer calls it before each write only one holder may make (a ledger record); manifests
+    are also written with If-Match (FileSet), so a lapsed holder cannot overwrite them."""
 
     def __init__(self, path: RemotePath, *, ttl_s: float = 30.0, poll_s: float = 0.25):
         self.path, self.ttl_s, self.poll_s = path, ttl_s, poll_s
         self._lease = Lease(path.store, path.key, "lock", ttl_s=ttl_s)
         self._count = 0
-        self._guard = threading.RLock()
-        self._stop = None
+        self._guard = threading.RLock()       # acquire / release
+        self._renewing = threading.Lock()     # one renewal or release at a time
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._valid_until = 0.0               # monotonic: the lease is surely ours until then
 
     @property
     def is_locked(self) -> bool:
         return self._count > 0
+
+    def assert_held(self) -> None:
+        if self._count and time.monotonic() > self._valid_until:
+            raise LeaseHeld(f"{self.path}: the lease of this process lapsed (not renewed for {self.ttl_s:.0f} s: "
+                            f"a pause, or the store unreachable); another process may hold it now, so this "
+                            f"one stops rather than write")
 
     def acquire(self, timeout: float = -1, poll_interval: float | None = None):
         from filelock import Timeout
@@ -700,6 +846,7 @@ class LeaseLock:
                 return self
             deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
             while True:
+                started = time.monotonic()
                 try:
                     self._lease.acquire()
                     break
@@ -707,6 +854,7 @@ class LeaseLock:
                     if deadline is not None and time.monotonic() >= deadline:
                         raise Timeout(str(self.path)) from None
                     time.sleep(poll_interval or self.poll_s)
+            self._valid_until = started + self.ttl_s * 2 / 3
             self._count = 1
             self._start_renewing()
             return self
@@ -716,16 +864,23 @@ class LeaseLock:
 
         def renew():
             while not stop.wait(self.ttl_s / 3):
-                try:
-                    self._lease.renew()
-                except LeaseHeld:
-                    log.error("lost the lock %s (renewal came too late); its holder will stop at its next write",
-                              self.path)
-                    return
-                except Exception as e:   # the store down a while: try again at the next tick
-                    log.warning("could not renew the lock %s: %s", self.path, e)
+                with self._renewing:
+                    if stop.is_set():
+                        return
+                    started = time.monotonic()
+                    try:
+                        self._lease.renew()
+                        self._valid_until = started + self.ttl_s * 2 / 3
+                    except LeaseHeld:
+                        self._valid_until = 0.0
+                        log.error("lost the lock %s (a renewal came too late); its holder stops at its next write",
+                                  self.path)
+                        return
+                    except Exception as e:   # the store down a while: try again at the next tick
+                        log.warning("could not renew the lock %s: %s", self.path, e)
 
-        threading.Thread(target=renew, daemon=True, name=f"lease-{self.path.name}").start()
+        self._thread = threading.Thread(target=renew, daemon=True, name=f"lease-{self.path.name}")
+        self._thread.start()
 
     def release(self, force: bool = False) -> None:
         with self._guard:
@@ -736,7 +891,11 @@ class LeaseLock:
                 return
             if self._stop is not None:
                 self._stop.set()
-            self._lease.release()
+            with self._renewing:          # no renewal in flight: it could re-create the lease after this
+                self._lease.release()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout=5)
+            self._thread = None
 
     def __enter__(self):
         return self.acquire()
@@ -761,3 +920,19 @@ def move(src, dst) -> None:
         src.unlink(missing_ok=True)
     else:
         os.replace(src, dst)
+
+
+def as_path(path):
+    """`path` as the buffer's code uses it: a RemotePath or a pathlib.Path stays as it is; a string or
+    os.PathLike becomes one (store_path)."""
+    return path if isinstance(path, (Path, RemotePath)) else store_path(path)
+
+
+def remove_tree(path) -> None:
+    """shutil.rmtree for either kind of path (on an object store: every object under the prefix)."""
+    if isinstance(path, RemotePath):
+        key = path.store._key(path.key)
+        path.store._retry("delete", lambda: path.store.fs.rm(key, recursive=True) if path.store.fs.exists(key)
+                          else None)
+    else:
+        shutil.rmtree(path)

@@ -19,6 +19,7 @@ from typing import Literal
 import tomli_w
 
 from buffer.layout import atomic_write_bytes
+from buffer.store import as_path
 from pipeline.schema import NONE, build, merge, set_path, to_dict, toml_value
 from pipeline.trackers import TRACKER_NAMES
 from workers.checks import ConfigError, is_int, is_num, require
@@ -189,7 +190,7 @@ def parse_override(item: str) -> tuple[str, object]:
 
 
 def read_toml(path: str | os.PathLike) -> dict:
-    p = Path(path)
+    p = as_path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
     try:
@@ -270,14 +271,14 @@ def check_consistency(cfg: Config) -> None:
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config as TOML (temp file beside it, fsync, then rename)."""
-    p = Path(path)
+    p = as_path(path)
     atomic_write_bytes(p.parent, p, ("# Resolved configuration of this run (written by asyncgrpo).\n"
                                      + tomli_w.dumps(to_dict(cfg))).encode())
 
 
 def load_run_config(run_dir: str | os.PathLike) -> Config:
     """The resolved config saved in a run directory."""
-    path = Path(run_dir) / "config.toml"
+    path = as_path(run_dir) / "config.toml"
     if not path.is_file():
         raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.toml); start one with "
                           f"`asyncgrpo run --run {run_dir}`")

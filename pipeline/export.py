@@ -110,6 +110,10 @@ def export_run(run: str | Path, to: str | Path, kind: Kind, *, versions: str | N
     if where is not None:
         _check_condition(where)
     to = Path(to)
+    source = Path(run).resolve()
+    if to.resolve() == source or source in to.resolve().parents or to.resolve() in source.parents:
+        raise DataError(f"--to {str(to)!r} is inside (or holds) the run {str(run)!r}; export to a folder "
+                        "outside it (--force there could delete the buffer)")
     check_target(to, "--to", force, _is_export)
     db = buffer.BufferSQL(run)
     selected = _selected_sql(bounds, where)

@@ -36,6 +36,8 @@ import numpy as np
 
 import buffer
 from buffer.layout import atomic_write_bytes
+from buffer.store import RemotePath, as_path
+from workers.remote_weights import work_dir
 
 SMOOTH_ABOVE = 200   # points; noisier series get a moving average over the raw line
 
@@ -88,7 +90,7 @@ def _query(db, sql: str):
 
 def plot_data(run_dir: str | os.PathLike) -> list[Panel]:
     """The panels of a run directory (raises BufferError when it has no buffer)."""
-    run = Path(run_dir)
+    run = as_path(run_dir)
     db = buffer.BufferSQL(run, quarantine=False)
     m = _query(db, "SELECT * FROM metrics ORDER BY step")
     g = _query(db, "SELECT generator_id, version, started_at, wait_s, seconds, tokens FROM generator_metrics "
@@ -286,10 +288,10 @@ def render_html(panels: list[Panel], title: str) -> str:
 def write_plots(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> dict:
     """Write `out` (default <run>/plot.png) and, beside it, the same stem's .html and .json (points per panel);
     each written to a temp name and renamed. Returns what the .json holds."""
-    run = Path(run_dir)
-    png = Path(out) if out is not None else run / "plot.png"
+    run = as_path(run_dir)
+    png = Path(out) if out is not None else work_dir(run) / "plot.png"   # a run on a store: this machine's
     panels = plot_data(run)
-    title = f"asyncgrpo run {run.resolve().name}"
+    title = f"asyncgrpo run {(run if isinstance(run, RemotePath) else run.resolve()).name}"
     png.parent.mkdir(parents=True, exist_ok=True)
     summary = {"png": str(png), "html": str(png.with_suffix(".html")),
                "panels": {p.key: {"title": p.title, "points": p.points()} for p in panels}}

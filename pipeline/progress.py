@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import buffer
 from buffer.layout import run_file_set
+from buffer.store import read_table
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -28,15 +29,13 @@ class Progress:
 
     def _metrics_rows(self) -> list[dict]:
         """The newest row of each live metrics file (files the compactor merged away are forgotten)."""
-        import pyarrow.parquet as pq
-
         mdir = self.run / "metrics"
         if mdir.is_dir():
             live = run_file_set(mdir, "metrics").live_names()
             for name in live:
                 if name not in self.seen:
                     try:
-                        table = pq.read_table(mdir / name)
+                        table = read_table(mdir / name)
                     except Exception:  # a shard being replaced; read it next time
                         continue
                     rows = table.slice(max(table.num_rows - 1, 0)).to_pylist()

@@ -43,7 +43,7 @@ from pipeline.progress import Progress, progress_line, progress_table
 from pipeline.rundir import evaluate_folder, prepare_model, read_run_info, write_run_info
 from pipeline.schema import to_dict
 from pipeline.trackers import Follower, Observer, open_trackers
-from workers.weights import WeightStore
+from workers.remote_weights import open_weights, work_dir
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -152,7 +152,7 @@ class Supervisor:
     def __init__(self, run_dir: Path, cfg: Config, *, resume: bool, launcher: Launcher | None = None):
         self.run, self.cfg = run_dir, cfg
         self.launcher = launcher or LocalLauncher(cfg)
-        logs, make = run_dir / "logs", self.launcher.daemon
+        logs, make = work_dir(run_dir) / "logs", self.launcher.daemon   # on this machine
         self.trainer = make("trainer", 0, "trainer",
                             trainer_argv(str(run_dir), resume=resume, ranks=self.launcher.trainer_ranks),
                             logs / "trainer.log")
@@ -251,8 +251,9 @@ def open_follower(run_dir: Path, cfg: Config) -> Follower | None:
     cannot start; a run directory (or trackers folder) made for them is then removed again."""
     if not cfg.run.report_to:
         return None
-    made = run_dir if not run_dir.exists() else run_dir / "trackers" if not (run_dir / "trackers").exists() else None
-    run_dir.mkdir(parents=True, exist_ok=True)
+    local = work_dir(run_dir)        # the run directory, or this machine's folder for a run on a store
+    made = local if not local.exists() else local / "trackers" if not (local / "trackers").exists() else None
+    local.mkdir(parents=True, exist_ok=True)
     try:
         trackers, state = open_trackers(cfg.run.report_to, run_dir, to_dict(cfg))
     except RunError:
@@ -266,7 +267,7 @@ def _plot(run_dir: Path, echo) -> None:
     """<run>/plot.png and plot.html at the end of the run; a failure is logged, the run's result stands."""
     try:
         write_plots(run_dir)
-        echo(f"plots: {run_dir / 'plot.png'} and {run_dir / 'plot.html'}")
+        echo(f"plots: {work_dir(run_dir) / 'plot.png'} and {work_dir(run_dir) / 'plot.html'}")
     except Exception as e:  # noqa: BLE001
         log.warning("writing the plots failed (%s: %s); draw them with: asyncgrpo plot %s", type(e).__name__, e,
                     run_dir)
@@ -292,10 +293,10 @@ def _supervise(run_dir: Path, cfg: Config, resume: bool, echo, launcher: Launche
     sup.start()
     observer.start()
     if observer.follower is not None:
-        echo(f"trackers {', '.join(cfg.run.report_to)}: {run_dir / 'trackers'} "
+        echo(f"trackers {', '.join(cfg.run.report_to)}: {work_dir(run_dir) / 'trackers'} "
              f"(every {cfg.run.track_every_s:g} s)")
     echo(f"started the trainer, {len(sup.generators)} generator(s){' and a compactor' if sup.helpers else ''}; "
-         f"logs in {run_dir / 'logs'}")
+         f"logs in {work_dir(run_dir) / 'logs'}")
     progress = Progress(run_dir, cfg)
     deadline = None if cfg.run.time_limit_s is None else time.time() + cfg.run.time_limit_s
     try:
@@ -347,7 +348,7 @@ def _watch(sup: Supervisor, progress: Progress, deadline: float | None, stop_rea
 
 def finish(run_dir: Path, cfg: Config, info: dict, snap: dict, echo) -> dict:
     """Evaluate the newest published weights and print the summary and queries to try."""
-    store = WeightStore(run_dir / "weights")
+    store = open_weights(run_dir)
     version = store.latest()
     after = evaluate_folder(cfg, store.folder(version)) if version is not None else info["eval_before"]
     summary = {"run_dir": str(run_dir), "eval_before": info["eval_before"], "eval_after": after,

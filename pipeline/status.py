@@ -40,7 +40,7 @@ import buffer
 from buffer.fileset import LEDGER_SUMMARY, SHARD_SUMMARY, read_summary, summary_columns
 from buffer.layout import BufferDir, find_buffer, ledger_is_merged
 from buffer.retention import archived_shards, newest_in_ledger, read_floor
-from buffer.store import RemotePath, read_metadata
+from buffer.store import RemotePath, StoreError, read_metadata
 
 DEFAULT_MAX_RANGES = 20
 
@@ -130,6 +130,8 @@ def _footer_cells(p: Path, names: tuple[str, ...], count: str) -> dict[str, np.n
     caller reads the rows); _Unreadable when the footer cannot be read."""
     try:
         meta = read_metadata(p)
+    except StoreError:   # the store unreachable: not a damaged file
+        raise
     except Exception as e:  # noqa: BLE001 - gone or damaged: the careful path
         raise _Unreadable(str(p)) from e
     summary = read_summary(meta)

@@ -41,6 +41,8 @@ import buffer
 from buffer.layout import BufferDir, atomic_write_bytes
 from pipeline.errors import RunError
 from pipeline.plot import write_plots
+from buffer.store import RemotePath, as_path
+from workers.remote_weights import work_dir
 
 log = logging.getLogger("asyncgrpo.track")
 SAMPLES_PER_TABLE = 8       # completions in each samples/completions table (up to 4 per group)
@@ -66,7 +68,7 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path, state: dict, config: dict) -> None:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        logdir = run_dir / "trackers" / "tensorboard"
+        logdir = trackers_dir(run_dir) / "tensorboard"
         logdir.mkdir(parents=True, exist_ok=True)
         self.writer = EventFileWriter(str(logdir))
 
@@ -113,12 +115,12 @@ class WandbTracker:
     def __init__(self, run_dir: Path, state: dict, config: dict) -> None:
         import wandb
 
-        root = run_dir / "trackers" / "wandb"
+        root = trackers_dir(run_dir) / "wandb"
         root.mkdir(parents=True, exist_ok=True)
         state.setdefault("wandb_id", uuid.uuid4().hex[:12])
         self.wandb = wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "asyncgrpo"), dir=str(root),
-                              name=Path(run_dir).resolve().name, id=state["wandb_id"], resume="allow",
+                              name=_run_name(run_dir), id=state["wandb_id"], resume="allow",
                               mode=os.environ.get("WANDB_MODE", "offline"), config=config,
                               settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
 
@@ -141,8 +143,13 @@ TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 TRACKER_NAMES = tuple(TRACKERS)
 
 
+def trackers_dir(run_dir) -> Path:
+    """<run>/trackers/; for a run on an object store, in this machine's work folder."""
+    return work_dir(as_path(run_dir)) / "trackers"
+
+
 def state_path(run_dir: Path) -> Path:
-    return Path(run_dir) / "trackers" / "state.json"
+    return trackers_dir(run_dir) / "state.json"
 
 
 def read_state(run_dir: Path) -> dict:
@@ -154,7 +161,7 @@ def open_trackers(names: tuple[str, ...] | list[str], run_dir: str | os.PathLike
                   ) -> tuple[list[Tracker], dict]:
     """Start the named trackers for `run_dir` (and the follower state they share); RunError if one is not
     installed or fails to start, with those already started closed again."""
-    run = Path(run_dir)
+    run = as_path(run_dir)
     for name in names:
         if name not in TRACKERS:
             raise RunError(f"unknown tracker {name!r} (choose from {', '.join(TRACKER_NAMES)})")
@@ -198,7 +205,7 @@ class Follower:
 
     def __init__(self, run_dir: str | os.PathLike, trackers: list[Tracker], state: dict, *,
                  samples_every_s: float | None = 60.0) -> None:
-        self.run = Path(run_dir)
+        self.run = as_path(run_dir)
         self.trackers = list(trackers)
         self.state = state
         self.samples_every_s = samples_every_s
@@ -341,6 +348,11 @@ class Observer:
         if follower is not None:
             self._safely("following the run for the trackers", lambda: follower.poll(final=True))
             follower.close()
+
+
+def _run_name(run_dir) -> str:
+    run = as_path(run_dir)
+    return (run if isinstance(run, RemotePath) else run.resolve()).name
 
 
 def write_run_plot(run_dir: Path) -> None:

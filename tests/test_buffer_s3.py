@@ -166,3 +166,18 @@ def test_status_and_sql_commands_on_an_s3_run(buf, s3server):
     assert bad.returncode == 2
     assert "the bucket 'no-such-bucket' does not exist at http://127.0.0.1:" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_manifest_write_after_someone_elses_fails_instead_of_overwriting_it(buf):
+    """If-Match on the manifest: a lock holder whose lease lapsed (paused) and who then writes what it
+    read before is refused, and the newer manifest stays."""
+    _fill_s3(buf, 2)
+    paused, current = BufferDir(buf).shard_set, BufferDir(buf).shard_set
+    old = paused.read_manifest()
+    m = current.read_manifest()
+    current.swap(m, [], ["gone.parquet"], now=1.0)                     # the next holder's write
+    with pytest.raises(BufferError, match=r"manifest\.json was changed by another process"):
+        paused.swap(old, [], ["other.parquet"], now=2.0)
+    assert BufferDir(buf).read_manifest().replaced == {"gone.parquet": 1.0}
+    current.swap(current.read_manifest(), [], ["third.parquet"], now=3.0)   # after a fresh read: fine
+    assert set(BufferDir(buf).read_manifest().replaced) == {"gone.parquet", "third.parquet"}

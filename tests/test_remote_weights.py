@@ -60,8 +60,14 @@ def test_upload_then_fetch_loads_the_same_model(run, model_folder, tmp_path):
         assert (folder / p.name).read_bytes() == p.read_bytes()
     assert gen.verify_cached(1)
     assert _greedy(folder) == _greedy(model_folder)
-    with pytest.raises(FileExistsError, match="already published"):
-        trainer.upload(model_folder, 1)
+    trainer.upload(model_folder, 1)            # the same files again (killed before LATEST): only LATEST moves
+    assert trainer.latest() == 1
+    other = tmp_path / "other"
+    other.mkdir()
+    for p in model_folder.iterdir():
+        (other / p.name).write_bytes(p.read_bytes() + (b" " if p.name == "config.json" else b""))
+    with pytest.raises(FileExistsError, match="already published with other files"):
+        trainer.upload(other, 1)
 
 
 def test_a_killed_upload_is_never_visible(run, model_folder, tmp_path):

@@ -167,6 +167,11 @@ def test_export_bad_input_is_exit_2_and_writes_nothing(source, tmp_path):
         (["export", str(source), "--to", str(to), "--kind", "sft", "--versions", "5:3"], "--versions '5:3'"),
         (["export", str(source), "--to", str(to), "--kind", "sft", "--versions", "a"], "--versions 'a'"),
     ]
+    shards = sorted(p.name for p in (source / "buffer" / "shards").iterdir())
+    for inside in (source / "buffer" / "shards", source):   # --force there would delete the buffer
+        r = run_cli("export", str(source), "--to", str(inside), "--kind", "sft", "--force")
+        assert r.returncode == 2 and "is inside (or holds) the run" in r.stderr, r.stderr
+    assert sorted(p.name for p in (source / "buffer" / "shards").iterdir()) == shards
     for args, named in cases:
         r = run_cli(*args)
         assert r.returncode == 2 and named in r.stderr, (args, r.stderr)

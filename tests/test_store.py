@@ -218,3 +218,38 @@ def test_a_lease_of_a_killed_process_of_this_host_is_free_at_once(root):
         p.kill()
         p.wait()
     Lease(open_store(root), "leases", "trainer").acquire()      # its holder is gone: no 600 s wait
+
+
+def test_bucket_and_key_names_are_never_read_as_errors(s3env):
+    """A missing key named like an error ('...503...') in a bucket named '...bucket...' is a plain
+    FileNotFoundError at once (not retried as a 5xx), and an empty prefix lists as empty."""
+    s3env.create_bucket("my-bucket-503")
+    store = open_store("s3://my-bucket-503/run", retry_s=30)
+    assert store.list("shards") == []
+    started = time.monotonic()
+    with pytest.raises(FileNotFoundError):
+        store.read("ledger/step-000001503-0000.parquet")
+    assert time.monotonic() - started < 5
+    store.publish("InternalError-500 .json", b"{}")
+    assert [e.name for e in store.list("")] == ["InternalError-500 .json"]
+
+
+def test_a_lease_lock_is_renewed_while_held_and_refuses_writes_once_it_lapsed(s3env):
+    from buffer.store import LeaseLock, store_path
+
+    s3env.create_bucket("leaselock")
+    path = store_path("s3://leaselock/run") / "buffer.lock"
+    held = LeaseLock(path, ttl_s=1.5)
+    held.acquire()
+    time.sleep(2.0)                                   # longer than the lease: the renewals keep it
+    held.assert_held()
+    with pytest.raises(Exception, match="Timeout|buffer.lock"):
+        LeaseLock(path, ttl_s=1.5).acquire(timeout=0.5)
+    held._stop.set()                                  # as if paused: no more renewals
+    time.sleep(1.2)                                   # past 2/3 of the lease since the last renewal
+    with pytest.raises(LeaseHeld, match="the lease of this process lapsed"):
+        held.assert_held()
+    other = LeaseLock(path, ttl_s=1.5)
+    other.acquire(timeout=5)                          # expired: the next holder takes it
+    other.release()
+    assert other._thread is None                      # the renewal thread is joined on release

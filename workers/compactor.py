@@ -47,8 +47,10 @@ from typing import Literal
 import buffer
 from buffer.layout import run_file_set
 from buffer.retention import ACTIONS, RetentionReport, newest_trainer_version, retire_old_shards
+from buffer.store import RemotePath, as_path
 from workers.checks import is_int, is_num, require
 from workers.proc import rss_mb
+from workers.remote_weights import work_dir
 from workers.stop import StopFlag
 
 log = logging.getLogger("asyncgrpo.compactor")
@@ -125,7 +127,7 @@ def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict:
     With cfg.keep_versions set, also a RetentionReport ("retention"): of a retention pass before
     the merges and one after (so that merged c-files old enough leave too), summed.
     """
-    run = Path(run_dir)
+    run = as_path(run_dir)
     root = run / "buffer"
     out = {}
     ages = dict(min_age_s=cfg.min_age_s, grace_s=cfg.grace_s)
@@ -153,7 +155,7 @@ def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict:
 def oldest_checkpoint_step(run_dir: str | os.PathLike) -> int | None:
     """Step of the oldest trainer checkpoint in <run>/checkpoints/ (names only); None without one."""
     try:
-        names = os.listdir(Path(run_dir) / "checkpoints")
+        names = os.listdir(work_dir(as_path(run_dir)) / "checkpoints")
     except FileNotFoundError:
         return None
     steps = [int(m.group(1)) for n in names if (m := _CHECKPOINT.match(n))]
@@ -171,13 +173,13 @@ def retention_version(run_dir: str | os.PathLike) -> int | None:
     step = oldest_checkpoint_step(run_dir)
     if step is None:
         return None
-    newest = newest_trainer_version(Path(run_dir) / "buffer")
+    newest = newest_trainer_version(as_path(run_dir) / "buffer")
     return None if newest is None else min(newest, step)
 
 
 def retire(run_dir: str | os.PathLike, cfg: CompactorConfig) -> RetentionReport:
     """Retention's pass over the run's buffer (cfg.keep_versions must be set); see buffer/retention.py."""
-    root = Path(run_dir) / "buffer"
+    root = as_path(run_dir) / "buffer"
     version = retention_version(run_dir)
     if version is None:   # no trainer state yet: nothing is known to be too old
         return RetentionReport(cfg.retention)
@@ -229,6 +231,8 @@ class DiskWatch:
         """Log (log.warning) and return the warnings due now."""
         now = time.time() if now is None else now
         out = []
+        if isinstance(as_path(run_dir), RemotePath):
+            return []   # an object store has no disk to fill: budgets are for local disks
         if cfg.disk_budget_gb is not None and self._due("budget", now):
             used = dir_bytes(run_dir)
             if used > BUDGET_SHARE * cfg.disk_budget_gb * GB:
@@ -261,7 +265,7 @@ def _advice(cfg: CompactorConfig) -> str:
 
 def live_files(run_dir: str | os.PathLike) -> dict[str, int]:
     """Live files of each kind (KINDS) in a run: what every reader lists."""
-    run = Path(run_dir)
+    run = as_path(run_dir)
     out = dict.fromkeys(KINDS, 0)
     if buffer.BufferDir.is_buffer(run / "buffer"):
         d = buffer.BufferDir(run / "buffer")

@@ -126,12 +126,13 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     from buffer import GroupIndex, ShardWriter, filter_reason
     from workers.backends import make_backend
     from workers.scheduler import PromptScheduler
-    from workers.weights import WeightStore
+    from buffer.store import store_path
+    from workers.remote_weights import open_weights
 
-    run = Path(run_dir)
+    run = store_path(run_dir)       # a local folder, or a run on an object store (s3://...)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    store = WeightStore(run / "weights")
+    store = open_weights(run)       # on an object store: versions downloaded into a local cache
     started = time.time()
     # vLLM returns tempered log-probs of the untruncated distribution only when asked for all of them.
     options = {"full_vocab_logprobs": cfg.sampling.truncated} if cfg.backend == "vllm" else {}

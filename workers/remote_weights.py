@@ -29,7 +29,7 @@ from pathlib import Path
 
 from buffer.atomic import BufferError, pid_alive, fsync_dir
 from buffer.store import Numbered, Store
-from workers.weights import version_name
+from workers.weights import WeightStore, version_name
 
 COMPLETE = "COMPLETE.json"
 
@@ -72,29 +72,73 @@ class RemoteWeights:
         return f"{self.folder}/{version_name(version)}/{file}".rstrip("/")
 
     # -- the trainer ---------------------------------------------------------------------
+    def set_latest(self, version: int) -> None:
+        """Point LATEST at `version` (a resume moves it back), keeping the list of published versions."""
+        self._latest.update(lambda s: {"version": version, "versions": sorted(set((s or {}).get("versions", []))
+                                                                               | {version})})
+
+    def versions(self) -> list[int]:
+        """The published (complete) versions, ascending, as LATEST's state lists them."""
+        _, state = self._latest.read()
+        return sorted((state or {}).get("versions", []))
+
+    def _withdraw(self, versions: list[int]) -> None:
+        """Make `versions` unpublished: COMPLETE.json first (then no reader fetches them), then the files."""
+        for v in versions:
+            self.store.delete(self._name(v, COMPLETE))
+            for e in self.store.list(self._name(v)):
+                self.store.delete(self._name(v, e.name))
+
+    def abandon_after(self, version: int) -> list[int]:
+        """Withdraw versions newer than `version` (a resume undid them) and point LATEST back."""
+        newer = [v for v in self.versions() if v > version]
+        if not newer:
+            return []
+
+        def back(s):
+            kept = [v for v in (s or {}).get("versions", []) if v <= version]
+            return {"version": max(kept) if kept else -1, "versions": kept}
+        self._latest.update(back)
+        self._withdraw(newer)
+        return newer
+
+    def prune(self, keep: int) -> list[int]:
+        """Withdraw all but the `keep` newest versions (never LATEST's)."""
+        latest, versions = self.latest(), self.versions()
+        doomed = [v for v in versions[:-keep] if v != latest]
+        if doomed:
+            self._latest.update(lambda s: {**(s or {}), "versions": [v for v in (s or {}).get("versions", [])
+                                                                      if v not in doomed]})
+            self._withdraw(doomed)
+        return doomed
+
     def upload(self, local: str | os.PathLike, version: int) -> None:
-        """Upload the HF folder `local` as `version`, then make it LATEST. Re-uploading a complete
-        version is an error (published versions never change)."""
+        """Upload the HF folder `local` as `version`, then make it LATEST. A version already complete
+        with the same files only moves LATEST (an upload killed before it); with other files it is an error
+        (published versions never change)."""
         local = Path(local)
         files = sorted(p for p in local.iterdir() if p.is_file())
         if not files:
             raise WeightsError(f"{local}: no files to upload as {version_name(version)}")
+        listing = {p.name: [p.stat().st_size, _sha256(p)] for p in files}
         if self.is_complete(version):
-            raise FileExistsError(f"{self.store.uri}/{self._name(version)} is already published; "
-                                  f"published versions never change")
-        listing = {}
-        for p in files:
-            self.store.upload(self._name(version, p.name), p)
-            listing[p.name] = [p.stat().st_size, _sha256(p)]
-        if not self.store.put_new(self._name(version, COMPLETE), json.dumps(listing, indent=1).encode()):
-            raise FileExistsError(f"{self.store.uri}/{self._name(version)} was completed by another writer")
-        self._latest.update(lambda s: {"version": max(version, (s or {}).get("version", -1))})
+            # The same files (a trainer killed after COMPLETE.json, before LATEST): only LATEST is left to do.
+            if json.loads(self.store.read(self._name(version, COMPLETE))) != listing:
+                raise FileExistsError(f"{self.store.uri}/{self._name(version)} is already published with other "
+                                      f"files; published versions never change")
+        else:
+            for p in files:
+                self.store.upload(self._name(version, p.name), p)
+            if not self.store.put_new(self._name(version, COMPLETE), json.dumps(listing, indent=1).encode()):
+                raise FileExistsError(f"{self.store.uri}/{self._name(version)} was completed by another writer")
+        self._latest.update(lambda s: {"version": max(version, (s or {}).get("version", -1)),
+                                       "versions": sorted(set((s or {}).get("versions", [])) | {version})})
 
     # -- readers -------------------------------------------------------------------------
     def latest(self) -> int | None:
-        """The newest version made LATEST, or None before the first upload."""
+        """The version LATEST names, or None before the first upload."""
         _, state = self._latest.read()
-        return None if state is None else int(state["version"])
+        return None if state is None or state["version"] < 0 else int(state["version"])
 
     def is_complete(self, version: int) -> bool:
         return any(e.name == COMPLETE for e in self.store.list(self._name(version)))
@@ -161,3 +205,85 @@ class RemoteWeights:
         listing = json.loads(self.store.read(self._name(version, COMPLETE)))
         return all((final / n).is_file() and (final / n).stat().st_size == size and _sha256(final / n) == sha
                    for n, (size, sha) in listing.items())
+
+
+class WeightCache:
+    """The reading side of WeightStore (latest, folder, is_complete) for a run on an object store:
+    what generators and evaluation use. folder(v) is v's verified download in the local cache."""
+
+    def __init__(self, remote: RemoteWeights):
+        self.remote = remote
+        self.root = f"{remote.store.uri}/{remote.folder}"
+
+    def latest(self) -> int | None:
+        return self.remote.latest()
+
+    def is_complete(self, version: int) -> bool:
+        return self.remote.is_complete(version)
+
+    def folder(self, version: int) -> Path:
+        """The cached copy of `version`, downloaded now if need be; a path that does not exist when the
+        version is not (or no longer) published, so a loader fails as it would on a pruned local folder."""
+        try:
+            return self.remote.fetch(version)
+        except (WeightsError, FileNotFoundError):
+            return self.remote.cache / version_name(version)
+
+
+class MirroredWeightStore(WeightStore):
+    """The trainer's weights for a run on an object store: published into a local folder exactly as
+    for a local run (WeightStore), and each version then uploaded (RemoteWeights), LATEST with it."""
+
+    def __init__(self, local_root: str | os.PathLike, remote: RemoteWeights, *, source=None):
+        super().__init__(local_root, source=source)
+        self.remote = remote
+
+    def publish(self, model, tokenizer, version: int, *, info: dict | None = None) -> Path:
+        final = super().publish(model, tokenizer, version, info=info)
+        self.remote.upload(final, version)
+        return final
+
+    def set_latest(self, version: int) -> None:
+        super().set_latest(version)
+        if getattr(self, "remote", None) is not None:     # WeightStore.publish calls it before the upload
+            if self.remote.is_complete(version):
+                self.remote.set_latest(version)
+
+    def prune(self, keep: int) -> list[int]:
+        self.remote.prune(keep)
+        return super().prune(keep)
+
+    def abandon_after(self, version: int) -> list[int]:
+        self.remote.abandon_after(version)
+        return super().abandon_after(version)
+
+    def sync(self, version: int) -> None:
+        """Upload `version` if the store lacks it (a trainer killed between its local publication and the
+        upload), and make it LATEST there."""
+        if not self.remote.is_complete(version) and self.is_complete(version):
+            self.remote.upload(self.folder(version), version)
+        self.remote.set_latest(version)
+
+
+def open_weights(run, *, cache: str | os.PathLike | None = None):
+    """What a generator reads weights through: WeightStore(run/weights) for a local run, a WeightCache
+    (downloads into `cache`, default: a folder under ~/.cache/asyncgrpo) for a run on an object store."""
+    from buffer.store import RemotePath
+
+    if not isinstance(run, RemotePath):
+        return WeightStore(Path(run) / "weights")
+    return WeightCache(RemoteWeights(run.store, folder=(run / "weights").key,
+                                     cache=cache or work_dir(run) / "weights-cache"))
+
+
+def work_dir(run) -> Path:
+    """This machine's own folder for a run on an object store (checkpoints, the trainer's weights before
+    upload, downloaded weights, logs): $ASYNCGRPO_WORK, or ~/.cache/asyncgrpo/work, then <run's URL
+    as a folder name>. A local run's is the run directory itself."""
+    from buffer.store import RemotePath
+
+    if not isinstance(run, RemotePath):
+        return Path(run)
+    base = Path(os.environ.get("ASYNCGRPO_WORK") or Path.home() / ".cache" / "asyncgrpo" / "work")
+    name = str(run).replace("://", "/").strip("/").replace("/", "__")
+    return base / name

@@ -8,7 +8,6 @@ lazily), so `--help` stays fast.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import click
 
 import buffer
 import workers.trainer
+from buffer.store import RemotePath, as_path, remove_tree
 from pipeline.commands.options import CONFIG_ARG, SET_OPT, run_config, setup_logging
 from pipeline.config import load_config, load_run_config, with_overrides
 from pipeline.errors import UserError, user_errors
@@ -28,13 +28,15 @@ from workers.generator import Admission, run_generator
 from workers.model import init_model, load_tokenizer
 from workers.rewards import Scorer
 from workers.tasks import load_task
-from workers.weights import WeightStore
+from workers.remote_weights import open_weights
 
 
 @click.command()
 @CONFIG_ARG
 @click.option("--run", "run_dir", type=click.Path(file_okay=False), default="runs/default", show_default=True,
-              help="Run directory (created; holds config.toml, buffer/, weights/, metrics/, logs/).")
+              help="Run directory (created; holds config.toml, buffer/, weights/, metrics/, logs/), or an "
+              "object-store URI such as s3://bucket/prefix (credentials and endpoint from the AWS_* "
+              "environment; logs and checkpoints then stay on this machine, see the README).")
 @SET_OPT
 @click.option("--resume", is_flag=True, help="Continue the run in --run from its checkpoint and config.")
 @click.option("--force", is_flag=True, help="Delete --run first if it holds an earlier run.")
@@ -71,12 +73,15 @@ def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bo
       asyncgrpo run --run runs/chat --set task.chat_template=true --set task.system_prompt=be,brief
       asyncgrpo run --launcher ray --set run.num_generators=2 --set ray.generator_cpus=0.5
       asyncgrpo run configs/gpu_vllm.toml --run /shared/runs/b --launcher ray --address auto
+      AWS_ENDPOINT_URL=http://127.0.0.1:9000 asyncgrpo run --run s3://runs/c
     """
     setup_logging()
     if launcher == "local" and address is not None and \
             click.get_current_context().get_parameter_source("address") == click.core.ParameterSource.COMMANDLINE:
         raise UserError("--address is for --launcher ray; add --launcher ray, or drop --address")
-    path = Path(run_dir)
+    path = as_path(run_dir)
+    if isinstance(path, RemotePath):
+        path.store.check()      # no bucket, bad credentials, endpoint down: one error (exit 2), nothing started
     if resume:
         if config is not None:
             raise UserError("--resume takes the config saved in the run directory; drop CONFIG "
@@ -93,12 +98,13 @@ def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bo
         where = RayLauncher(cfg, address=address)   # Ray missing: stopped here, before --force deletes anything
         path = path.absolute()                        # the daemons may start in another directory
     if not resume and path.exists() and any(path.iterdir()):
-        shutil.rmtree(path)
+        remove_tree(path)
     run_pipeline(path, cfg, resume=resume, echo=click.echo, launcher=where)
 
 
 @click.command()
-@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False),
+              help="Run directory, or an object-store URI (s3://bucket/prefix).")
 @click.option("--index", type=click.IntRange(min=0), default=0, show_default=True,
               help="Generator number: its seed is run.seed + 1000 * (index + 1), its name gen<index>.")
 @SET_OPT
@@ -148,13 +154,13 @@ def train(run_dir: str, resume: bool, offline: bool, overrides: tuple[str, ...])
     """
     setup_logging()
     cfg = run_config(run_dir, overrides)
-    info = read_run_info(Path(run_dir))
+    info = read_run_info(as_path(run_dir))
     model = info.get("initial_model") or cfg.model.path
     if model is None:
         raise UserError(f"{run_dir!r} names no initial model (run.json missing); start it with "
                         "`asyncgrpo run`, or set model.path")
-    _check_model_matches_buffer(Path(run_dir), Path(model), cfg.task.chat())
-    workers.trainer.run_trainer(Path(run_dir), cfg.trainer, model_folder=Path(model), resume=resume, offline=offline)
+    _check_model_matches_buffer(as_path(run_dir), Path(model), cfg.task.chat())
+    workers.trainer.run_trainer(as_path(run_dir), cfg.trainer, model_folder=Path(model), resume=resume, offline=offline)
 
 
 def _check_model_matches_buffer(run_dir: Path, model: Path, chat: ChatFormat | None) -> None:
@@ -172,7 +178,8 @@ def _check_model_matches_buffer(run_dir: Path, model: Path, chat: ChatFormat | N
 
 
 @click.command()
-@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False),
+              help="Run directory, or an object-store URI (s3://bucket/prefix).")
 @SET_OPT
 @user_errors
 def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
@@ -197,7 +204,8 @@ def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
 
 
 @click.command(name="eval")
-@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False),
+              help="Run directory, or an object-store URI (s3://bucket/prefix).")
 @click.option("--version", "version", type=click.IntRange(min=0), default=None,
               help="Weights version to evaluate [default: the newest published].")
 @click.option("--size", type=click.IntRange(min=1), default=None, help="Held-out prompts [default: run.eval_size].")
@@ -213,7 +221,7 @@ def eval_cmd(run_dir: str, version: int | None, size: int | None) -> None:
     cfg = run_config(run_dir)
     if size is not None:
         cfg = replace(cfg, run=replace(cfg.run, eval_size=size))
-    store = WeightStore(Path(run_dir) / "weights")
+    store = open_weights(as_path(run_dir))
     v = store.latest() if version is None else version
     if v is None:
         raise UserError(f"{run_dir!r} has no published weights yet")

@@ -12,17 +12,19 @@ from pathlib import Path
 
 import click
 
+from buffer.store import RemotePath, as_path
 from pipeline.commands.options import setup_logging
 from pipeline.config import ConfigError, load_run_config
 from pipeline.errors import UserError, user_errors
 from pipeline.plot import write_plots
 from pipeline.schema import to_dict
-from pipeline.trackers import TRACKER_NAMES, Follower, open_trackers
+from pipeline.trackers import Follower, TRACKER_NAMES, open_trackers, trackers_dir
 
 
-def _run_dir(run: str) -> Path:
-    p = Path(run)
-    if not p.is_dir():
+def _run_dir(run: str):
+    p = as_path(run)
+    exists = (p / "config.toml").is_file() or (p / "buffer").is_dir() if isinstance(p, RemotePath) else p.is_dir()
+    if not exists:
         raise UserError(f"run directory {run!r} does not exist")
     return p
 
@@ -114,4 +116,4 @@ def track(run: str, report_to: str, every_s: float, once: bool, samples_every_s:
     finally:
         follower.close()
     click.echo(f"logged {follower.logged_steps} trainer steps (up to step {state['step']}) to "
-               f"{', '.join(names)} in {run_dir / 'trackers'}")
+               f"{', '.join(names)} in {trackers_dir(run_dir)}")

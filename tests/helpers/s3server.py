@@ -34,7 +34,7 @@ class Relay:
 
     def __init__(self, target: int):
         self.target, self.port = target, _free_port()
-        self._conns: list[socket.socket] = []
+        self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self.up()
 
@@ -54,13 +54,11 @@ class Relay:
             except OSError:
                 pass
             ls.close()
-        for c in self._conns:
+        for c in list(self._conns):
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            c.close()
-        self._conns.clear()
 
     def _accept(self, ls: socket.socket) -> None:
         while True:
@@ -73,12 +71,13 @@ class Relay:
             except OSError:
                 client.close()
                 continue
-            self._conns += [client, server]
+            self._conns.update((client, server))
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket) -> None:
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        """Copy a -> b until either side ends; then end both, and close `a` (the other direction's
+        thread closes `b`), so a long test does not run out of file descriptors."""
         try:
             while data := a.recv(65536):
                 b.sendall(data)
@@ -90,6 +89,8 @@ class Relay:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+            a.close()
+            self._conns.discard(a)
 
 
 class S3Server:

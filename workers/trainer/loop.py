@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from buffer.store import as_path
 from workers.proc import rss_mb
 from workers.stop import StopFlag
 from workers.trainer.batch import step_batch, table_from_bytes, table_to_bytes
@@ -57,7 +58,7 @@ def run_trainer(run_dir: str | os.PathLike, cfg: TrainerConfig, *, model_folder:
     stop.install()
     s = None
     try:
-        s = open_session(Path(run_dir), cfg, Path(model_folder), resume, offline, dist, stop)
+        s = open_session(as_path(run_dir), cfg, Path(model_folder), resume, offline, dist, stop)
         reason = _loop(s)
         _close(s, reason)
     finally:

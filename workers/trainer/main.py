@@ -17,6 +17,8 @@ import logging
 import sys
 from pathlib import Path
 
+from buffer.store import store_path
+
 
 def _read_config(text: str | None) -> dict:
     if text is None:
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.trainer import config_from_dict, run_trainer
 
     cfg = config_from_dict(_read_config(args.config))
-    run_trainer(Path(args.run), cfg, model_folder=Path(args.model_folder), resume=args.resume,
+    run_trainer(store_path(args.run), cfg, model_folder=Path(args.model_folder), resume=args.resume,
                 offline=args.offline)
     return 0
 

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import torch
 
 from buffer.layout import atomic_file, clean_tmp_dir, run_file_set
+from buffer.store import RemotePath, list_names, read_table
 
 # policy_loss metrics that are sums over micro-batches (global normaliser or counts);
 # each is divided by the number of inner epochs, so a step reports one epoch's worth.
@@ -98,7 +99,7 @@ class MetricsWriter:
     """Buffers step rows and writes them as Parquet shards (temp + rename)."""
 
     def __init__(self, root: str | os.PathLike, flush_seconds: float) -> None:
-        self.root = Path(root)
+        self.root = root if isinstance(root, RemotePath) else Path(root)
         self.tmp = self.root / "tmp"
         self.root.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(exist_ok=True)
@@ -124,14 +125,14 @@ class MetricsWriter:
             manifest = fs.read_manifest()
             live = set(fs.live_names())
             new, gone = [], []
-            for name in sorted((set(os.listdir(self.root)) | set(manifest.replaced))):
+            for name in sorted((set(list_names(self.root)) | set(manifest.replaced))):
                 if not fs.is_member(name):
                     continue
                 first, last = (int(x) for x in name.removesuffix(".parquet").split("-")[1:3])
                 if last <= step:
                     continue
                 if name in live:
-                    t = pq.read_table(self.root / name)
+                    t = read_table(self.root / name)
                     keep = t.filter(pc.less_equal(t.column("step"), step))
                     dropped += t.num_rows - keep.num_rows
                     if keep.num_rows:

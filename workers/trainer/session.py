@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from workers.remote_weights import work_dir
 from workers.stop import StopFlag
 from workers.trainer.checkpoint import (clean_tmp, list_checkpoints, load_checkpoint, load_sharded, remove_after,
                                         set_rng_state)
@@ -76,7 +77,8 @@ class Session:
 
     @property
     def ckpt_dir(self) -> Path:
-        return self.run / "checkpoints"
+        """Checkpoints: in the run directory; for a run on an object store, in this machine's work folder."""
+        return work_dir(self.run) / "checkpoints"
 
     @property
     def pull_version(self) -> int:
@@ -115,7 +117,8 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
         torch.set_num_threads(cfg.num_threads)
     device = _device(cfg, dist)
     run.mkdir(parents=True, exist_ok=True)
-    checkpoints = list_checkpoints(run / "checkpoints")
+    ckpt_dir = work_dir(run) / "checkpoints"
+    checkpoints = list_checkpoints(ckpt_dir)
     if checkpoints and not resume:
         raise TrainerError(f"run {str(run)!r} has checkpoints (newest: step {checkpoints[-1][0]}); pass "
                            "--resume to continue it, or start a new run directory")
@@ -125,7 +128,7 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
         chosen: str | dict = {}
         if dist.is_main:
             try:
-                state = _newest_readable_checkpoint(run / "checkpoints", checkpoints)
+                state = _newest_readable_checkpoint(ckpt_dir, checkpoints)
                 chosen = str(state["path"])
             except TrainerError as e:
                 chosen = {"error": str(e)}
@@ -135,7 +138,7 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
         if state is None:
             state = load_checkpoint(chosen)
     if resume and state is None:
-        log.info("no checkpoint in %s: starting from %s", run / "checkpoints", model_folder)
+        log.info("no checkpoint in %s: starting from %s", ckpt_dir, model_folder)
 
     model = load_model(model_folder, dtype="float32", device=str(device))
     single_file = state is not None and "sharded" not in state
@@ -246,6 +249,8 @@ def _open_files(s: Session, model_folder: Path, state: dict | None, initial: dic
     """
     from buffer import BufferDir, Sampler
     from workers.trainer.publisher import Publisher
+    from buffer.store import RemotePath
+    from workers.remote_weights import MirroredWeightStore, RemoteWeights
     from workers.weights import WeightStore
 
     buffer_root = s.run / "buffer"
@@ -259,7 +264,12 @@ def _open_files(s: Session, model_folder: Path, state: dict | None, initial: dic
         versions = s.sampler.index.version.view
         s.offline_offset = int(saved) if saved is not None else int(versions.max(initial=0))
 
-    s.weights = WeightStore(s.run / "weights", source=model_folder)
+    if isinstance(s.run, RemotePath):   # published here, then uploaded for the generators
+        s.weights = MirroredWeightStore(work_dir(s.run) / "weights",
+                                        RemoteWeights(s.run.store, folder=(s.run / "weights").key),
+                                        source=model_folder)
+    else:
+        s.weights = WeightStore(s.run / "weights", source=model_folder)
     s.weights.clean_tmp()
     undone = s.weights.abandon_after(s.version)
     if undone:
@@ -274,6 +284,8 @@ def _open_files(s: Session, model_folder: Path, state: dict | None, initial: dic
                             info={"step": s.step}, wait=True)
     elif s.weights.latest() != s.version:
         s.weights.set_latest(s.version)
+    if isinstance(s.weights, MirroredWeightStore):
+        s.weights.sync(s.version)    # killed between the local publication and its upload: upload it now
 
     s.metrics = MetricsWriter(s.run / "metrics", s.cfg.metrics_flush_seconds)
     dropped = s.metrics.truncate_after(s.step)
