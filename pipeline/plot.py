@@ -193,6 +193,16 @@ def _t0(panels: list[Panel]) -> float:
     return float(min(ts)) if ts else 0.0
 
 
+def _finite_series(p: Panel, xkey: str, t0: float):
+    """(index, series, x, y) of each of the panel's series with finite points, against trainer step or
+    wall time in minutes since t0 (what both renderers draw)."""
+    for i, s in enumerate(p.series):
+        x = s.step if xkey == "step" else (s.time - t0) / 60.0
+        ok = np.isfinite(x) & np.isfinite(s.y)
+        if ok.any():
+            yield i, s, x[ok], s.y[ok]
+
+
 def render_png(panels: list[Panel], title: str) -> bytes:
     """The panels as rows of two axes (against step, against wall time); PNG bytes."""
     from matplotlib.figure import Figure
@@ -216,20 +226,16 @@ def render_png(panels: list[Panel], title: str) -> bytes:
             if p.histogram is not None and ax is ax_s:
                 continue
             drawn = False
-            for i, s in enumerate(p.series):
-                x = s.step if xkey == "step" else (s.time - t0) / 60.0
-                ok = np.isfinite(x) & np.isfinite(s.y)
-                if not ok.any():
-                    continue
+            for i, s, x, y in _finite_series(p, xkey, t0):
                 drawn = True
                 color = f"C{i}"
                 if s.markers:
-                    ax.plot(x[ok], s.y[ok], "o", color=color, markersize=7, label=s.name)
-                elif ok.sum() > SMOOTH_ABOVE:
-                    ax.plot(x[ok], s.y[ok], color=color, alpha=0.2, linewidth=0.6)
-                    ax.plot(x[ok], _smooth(s.y[ok]), color=color, linewidth=1.5, label=s.name)
+                    ax.plot(x, y, "o", color=color, markersize=7, label=s.name)
+                elif len(y) > SMOOTH_ABOVE:
+                    ax.plot(x, y, color=color, alpha=0.2, linewidth=0.6)
+                    ax.plot(x, _smooth(y), color=color, linewidth=1.5, label=s.name)
                 else:
-                    ax.plot(x[ok], s.y[ok], color=color, linewidth=1.2, label=s.name)
+                    ax.plot(x, y, color=color, linewidth=1.2, label=s.name)
             if drawn:
                 ax.legend(fontsize=8, loc="best")
                 ax.set_ylabel("staleness (versions)" if p.histogram is not None else p.ylabel)
@@ -263,14 +269,10 @@ def render_html(panels: list[Panel], title: str) -> str:
             if p.histogram is not None and c == 1:
                 continue
             drawn = False
-            for i, s in enumerate(p.series):
-                x = s.step if xkey == "step" else (s.time - t0) / 60.0
-                ok = np.isfinite(x) & np.isfinite(s.y)
-                if not ok.any():
-                    continue
+            for i, s, x, y in _finite_series(p, xkey, t0):
                 drawn = True
-                y = _smooth(s.y[ok]) if ok.sum() > SMOOTH_ABOVE and not s.markers else s.y[ok]
-                fig.add_trace(go.Scatter(x=x[ok], y=y, name=f"{p.key}: {s.name}", legendgroup=f"{p.key}{i}",
+                y = _smooth(y) if len(y) > SMOOTH_ABOVE and not s.markers else y
+                fig.add_trace(go.Scatter(x=x, y=y, name=f"{p.key}: {s.name}", legendgroup=f"{p.key}{i}",
                                          showlegend=c == 2, mode="markers" if s.markers else "lines",
                                          line={"color": palette[i % len(palette)], "width": 1.5}), row=r, col=c)
             if not drawn:

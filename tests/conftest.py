@@ -60,3 +60,23 @@ def kill_9_at_pause(argv: list[str], marker: Path, timeout: float = 60) -> None:
 @pytest.fixture
 def buf(tmp_path) -> Path:
     return tmp_path / "buffer"
+
+
+@pytest.fixture(scope="session")
+def s3server():
+    """A real S3 API server on 127.0.0.1 (moto's) behind a relay a test can take down; one per session,
+    each test in its own bucket."""
+    from tests.helpers.s3server import S3Server
+
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3env(s3server, monkeypatch):
+    """The S3 server's endpoint and credentials in this process's environment."""
+    for k, v in s3server.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return s3server

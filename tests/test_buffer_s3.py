@@ -17,7 +17,6 @@ from buffer.sql import SqlError
 from conftest import make_group
 
 from buffer.store import store_path
-from tests.helpers.s3server import S3Server
 from tests.test_buffer_sampler import (  # noqa: F401 - collected again, here on S3
     test_filtered_and_future_groups_never_pulled,
     test_newest_and_uniform_orders,
@@ -27,18 +26,9 @@ from tests.test_buffer_sampler import (  # noqa: F401 - collected again, here on
 )
 
 
-@pytest.fixture(scope="module")
-def s3server():
-    server = S3Server()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
-def buf(s3server, monkeypatch):
-    for k, v in s3server.env.items():
-        monkeypatch.setenv(k, v)
-    bucket = s3server.create_bucket(f"buf-{uuid.uuid4().hex[:8]}")
+def buf(s3env):
+    bucket = s3env.create_bucket(f"buf-{uuid.uuid4().hex[:8]}")
     return store_path(f"s3://{bucket}/run") / "buffer"
 
 

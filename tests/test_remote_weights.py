@@ -12,23 +12,13 @@ import pytest
 import torch
 
 from buffer.store import open_store
-from tests.helpers.s3server import S3Server
 from workers.model import init_model, load_model, load_tokenizer
 from workers.remote_weights import COMPLETE, RemoteWeights, WeightsError
 
 
-@pytest.fixture(scope="module")
-def s3server():
-    server = S3Server()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
-def run(s3server, monkeypatch):
-    for k, v in s3server.env.items():
-        monkeypatch.setenv(k, v)
-    bucket = s3server.create_bucket(f"w-{uuid.uuid4().hex[:8]}")
+def run(s3env):
+    bucket = s3env.create_bucket(f"w-{uuid.uuid4().hex[:8]}")
     return open_store(f"s3://{bucket}/run")
 
 

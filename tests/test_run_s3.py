@@ -24,13 +24,6 @@ from tests.test_run import processes_of, wait_for
 STEPS = 60
 
 
-@pytest.fixture(scope="module")
-def s3server():
-    server = S3Server()
-    yield server
-    server.stop()
-
-
 def _env(server, work: Path, **extra) -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "ASYNCGRPO_WORK": str(work), **server.env, **extra}
 

@@ -15,21 +15,6 @@ from buffer.store import Lease, LeaseHeld, Numbered, StoreError, open_store
 from tests.helpers.s3server import S3Server
 
 
-@pytest.fixture(scope="module")
-def s3server():
-    server = S3Server()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3env(s3server, monkeypatch):
-    for k, v in s3server.env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    return s3server
-
-
 @pytest.fixture(params=["local", "s3"])
 def root(request, tmp_path):
     """A fresh store root: a local folder, or a fresh prefix in a bucket of the S3 server."""
