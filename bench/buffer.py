@@ -284,13 +284,15 @@ def _shard_bytes(root) -> int:
     return sum(p.stat().st_size for p in BufferDir(root).live_shards())
 
 
-def compare_stores(url: str, local_parent: Path, data: Data, args, fsync: bool) -> dict:
-    """Build, pull and aggregate the same buffer on a local disk and at `url`; both sets of figures."""
+def compare_stores(url: str, local_parent: Path, seed: int, args, fsync: bool) -> dict:
+    """Build, pull and aggregate the same buffer (the same data: one seed) on a local disk and at `url`;
+    both sets of figures."""
     from buffer.store import remove_tree, store_path
 
     out = {}
     for where, root in (("local", local_parent / "buf-local"), ("store", store_path(url) / "buffer")):
         log(f"{where}: {root}")
+        data = Data(seed)
         w = ShardWriter(root, flush_groups=args.flush_groups, flush_seconds=None, fsync=fsync)
         t0 = time.perf_counter()
         for i in range(args.groups):
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
             log(f"moto S3 server at {server.endpoint}")
         base = Path(tempfile.mkdtemp(prefix="bench-buffer-", dir=args.dir))
         try:
-            print(json.dumps(compare_stores(args.run, base, Data(args.seed), args, fsync)))
+            print(json.dumps(compare_stores(args.run, base, args.seed, args, fsync)))
         finally:
             shutil.rmtree(base, ignore_errors=True)
             if server is not None:
