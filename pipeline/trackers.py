@@ -22,7 +22,8 @@ step, the last batch of each generator writer, the last sampled version),
 written after each poll by temp file and rename, so a restarted follower logs
 no row twice. TensorBoard writes event files to <run>/trackers/tensorboard/;
 W&B writes its run under <run>/trackers/wandb/, offline unless WANDB_MODE says
-otherwise (`wandb sync` uploads it later).
+otherwise (`wandb sync` uploads it later). For a run on an object store these
+local files go to this machine's work folder instead (workers.remote_weights.work_dir).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from typing import Protocol
 
 import buffer
 from buffer.layout import BufferDir, atomic_write_bytes
+from buffer.store import RemotePath, as_path
 from pipeline.errors import RunError
 from pipeline.plot import write_plots
-from buffer.store import RemotePath, as_path
 from workers.remote_weights import work_dir
 
 log = logging.getLogger("asyncgrpo.track")
