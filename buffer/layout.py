@@ -37,7 +37,7 @@ from buffer.atomic import (  # noqa: F401 - re-exported: the buffer's errors and
     tmp_name,
 )
 from buffer.fileset import FileSet, Manifest  # noqa: F401 - Manifest re-exported
-from buffer.store import RemotePath, store_lock, store_path
+from buffer.store import RemotePath, move, store_lock, store_path
 
 BUFFER_MARKER = "buffer.json"   # on an object store (which has no folders), what makes a prefix a buffer
 
@@ -145,27 +145,25 @@ class BufferDir:
     def allocate_writer_id(self, generator_id: str) -> str:
         """Next free writer id ('w000007'), recorded in writers/ under the lock (on an object store:
         created if absent, the next number on a race)."""
-        if self.remote:
-            return self._allocate_writer_id_remote(generator_id)
-        with self.lock:
-            taken = [int(p.stem[1:]) for p in self.writers.glob("w*.json") if p.stem[1:].isdigit()]
-            writer_id = f"w{(max(taken) + 1 if taken else 0):06d}"
-            info = {"writer_id": writer_id, "generator_id": generator_id, "host": socket.gethostname(),
-                    "pid": os.getpid(), "allocated_at": time.time()}
-            atomic_write_bytes(self.tmp, self.writers / f"{writer_id}.json", json.dumps(info).encode())
-        return writer_id
+        if not self.remote:
+            with self.lock:
+                writer_id = self._next_writer_id()
+                atomic_write_bytes(self.tmp, self.writers / f"{writer_id}.json",
+                                   self._writer_info(writer_id, generator_id))
+            return writer_id
+        while True:
+            writer_id = self._next_writer_id()
+            if self.root.store.put_new(f"{self.writers.key}/{writer_id}.json",
+                                       self._writer_info(writer_id, generator_id)):
+                return writer_id
+
+    def _next_writer_id(self) -> str:
+        taken = [int(p.stem[1:]) for p in self.writers.glob("w*.json") if p.stem[1:].isdigit()]
+        return f"w{(max(taken) + 1 if taken else 0):06d}"
 
     def _writer_info(self, writer_id: str, generator_id: str) -> bytes:
         return json.dumps({"writer_id": writer_id, "generator_id": generator_id, "host": socket.gethostname(),
                            "pid": os.getpid(), "allocated_at": time.time()}).encode()
-
-    def _allocate_writer_id_remote(self, generator_id: str) -> str:
-        store, folder = self.root.store, self.writers.key
-        while True:
-            taken = [int(p.stem[1:]) for p in self.writers.glob("w*.json") if p.stem[1:].isdigit()]
-            writer_id = f"w{(max(taken) + 1 if taken else 0):06d}"
-            if store.put_new(f"{folder}/{writer_id}.json", self._writer_info(writer_id, generator_id)):
-                return writer_id
 
     # -- the file sets ---------------------------------------------------------------
     def read_manifest(self) -> Manifest:
@@ -201,11 +199,7 @@ class BufferDir:
                     "size_bytes": shard.stat().st_size}
             atomic_write_bytes(self.tmp, self.quarantine_dir / f"{shard.name}.reason.json",
                                json.dumps(info, indent=1).encode())
-            if self.remote:
-                dest.write_bytes(shard.read_bytes())
-                shard.unlink(missing_ok=True)
-            else:
-                os.replace(shard, dest)
+            move(shard, dest)
         return dest
 
     def quarantined(self) -> list[dict]:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from buffer.atomic import BufferError, StorageError, fsync_dir, pid_alive, tmp_name
+from buffer.atomic import BufferError, StorageError, atomic_file, fsync_dir, pid_alive, tmp_name
 
 log = logging.getLogger(__name__)
 
@@ -176,12 +176,9 @@ class LocalStore(Store):
 
     def publish(self, name: str, data: bytes) -> None:
         final = self._path(name)
-        tmp = self._tmp_write(final, data)
-        try:
-            os.replace(tmp, final)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise StorageError(final, e) from e
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(final.parent, final) as f:
+            f.write(data)
 
     def delete(self, name: str) -> None:
         self._path(name).unlink(missing_ok=True)
@@ -189,15 +186,8 @@ class LocalStore(Store):
     def upload(self, name: str, local: Path) -> None:
         final = self._path(name)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / tmp_name(final.name)
-        try:
-            shutil.copyfile(local, tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise StorageError(final, e) from e
+        with open(local, "rb") as src, atomic_file(final.parent, final) as f:
+            shutil.copyfileobj(src, f, 1 << 20)
 
     def download(self, name: str, local: Path) -> None:
         shutil.copyfile(self._path(name), local)
@@ -662,8 +652,23 @@ class RemotePath:
         import fnmatch
         return (p for p in self.iterdir() if fnmatch.fnmatchcase(p.name, pattern))
 
+    def _info(self) -> dict | None:
+        """The object's metadata (one HEAD), None when there is none."""
+        key = self.store._key(self.key)
+
+        def head():
+            self.store.fs.invalidate_cache(key)
+            try:
+                return self.store.fs.info(key)
+            except FileNotFoundError as e:
+                if _no_such_bucket(e):
+                    raise            # a missing bucket is the store's error, not a missing file
+                return None
+        return self.store._retry("stat", head)
+
     def is_file(self) -> bool:
-        return any(e.name == self.name for e in self.store.list(self.parent.key))
+        info = self._info()
+        return info is not None and info.get("type") == "file"
 
     def is_dir(self) -> bool:
         def ls():
@@ -679,9 +684,12 @@ class RemotePath:
     def stat(self):
         """Size and time (st_ino 0: names are never reused); from the listing that found it, if one did."""
         from types import SimpleNamespace
-        e = self.entry or next((e for e in self.store.list(self.parent.key) if e.name == self.name), None)
+        e = self.entry
         if e is None:
-            raise FileNotFoundError(str(self))
+            info = self._info()
+            if info is None or info.get("type") != "file":
+                raise FileNotFoundError(str(self))
+            e = Entry(self.name, int(info.get("size") or 0), _mtime(info))
         return SimpleNamespace(st_size=e.size, st_mtime=e.mtime, st_mtime_ns=int(e.mtime * 1e9), st_ino=0)
 
     # -- reading and writing -----------------------------------------------------
@@ -735,8 +743,7 @@ class RetryingFile(io.RawIOBase):
         super().__init__()
         self.path, self.pos = path, 0
         self._key = path.store._key(path.key)
-        self.size = path.stat().st_size if path.entry is not None else path.store._retry(
-            "stat", lambda: int(path.store.fs.info(self._key)["size"]))
+        self.size = path.stat().st_size
 
     def readable(self) -> bool:
         return True
@@ -802,9 +809,7 @@ def list_entries(folder) -> dict[str, Entry | None]:
 def list_names(folder) -> list[str]:
     """Names of the files directly in `folder` (a Path or RemotePath); FileNotFoundError if it is missing
     (a local folder) — a remote folder with nothing in it is empty."""
-    if isinstance(folder, RemotePath):
-        return [e.name for e in folder.store.list(folder.key)]
-    return os.listdir(folder)
+    return list(list_entries(folder))
 
 
 class LeaseLock:
