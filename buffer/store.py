@@ -87,6 +87,10 @@ class Store:
         """The objects directly in `folder` (not in its subfolders), sorted by name; [] if none."""
         raise NotImplementedError
 
+    def list_folders(self, folder: str = "") -> list[str]:
+        """The names of the subfolders directly in `folder` (prefixes holding objects), sorted; [] if none."""
+        raise NotImplementedError
+
     def put_new(self, name: str, data: bytes) -> bool:
         raise NotImplementedError
 
@@ -146,6 +150,13 @@ class LocalStore(Store):
         except FileNotFoundError:
             return []
         return sorted(out, key=lambda e: e.name)
+
+    def list_folders(self, folder: str = "") -> list[str]:
+        try:
+            with os.scandir(self._path(folder)) as it:
+                return sorted(e.name for e in it if e.is_dir())
+        except FileNotFoundError:
+            return []
 
     def _tmp_write(self, final: Path, data: bytes) -> Path:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -305,21 +316,27 @@ class FsspecStore(Store):
     def read(self, name: str) -> bytes:
         return self._retry("read", lambda: self.fs.cat_file(self._key(name)))
 
-    def list(self, folder: str = "") -> list[Entry]:
+    def _ls(self, folder: str) -> list[dict]:
+        """fs.ls of `folder` from the store itself (no listing cache), with retries; [] if it is empty."""
         key = self._key(folder)
 
         def ls():
             self.fs.invalidate_cache(key)
             try:
-                infos = self.fs.ls(key, detail=True, refresh=True)
+                return self.fs.ls(key, detail=True, refresh=True)
             except FileNotFoundError as e:
                 if _no_such_bucket(e):
                     raise
                 return []
-            return [Entry(i["name"].rsplit("/", 1)[-1], int(i.get("size") or 0), _mtime(i))
-                    for i in infos if i.get("type") == "file"]
+        return self._retry("list", ls)
 
-        return sorted(self._retry("list", ls), key=lambda e: e.name)
+    def list(self, folder: str = "") -> list[Entry]:
+        return sorted((Entry(i["name"].rsplit("/", 1)[-1], int(i.get("size") or 0), _mtime(i))
+                       for i in self._ls(folder) if i.get("type") == "file"), key=lambda e: e.name)
+
+    def list_folders(self, folder: str = "") -> list[str]:
+        return sorted(i["name"].rstrip("/").rsplit("/", 1)[-1] for i in self._ls(folder)
+                      if i.get("type") == "directory")
 
     def put_new(self, name: str, data: bytes) -> bool:
         def put():

@@ -37,6 +37,22 @@ def _greedy(folder, prompt="12+7=") -> list[int]:
     return out[0].tolist()
 
 
+def _cached(cache) -> list[str]:
+    """The versions in a generator's cache folder (v<version>-<digest>), by name without the digest."""
+    return sorted(p.name.split("-")[0] for p in cache.iterdir() if p.name != "tmp") if cache.is_dir() else []
+
+
+def _changed(model_folder, dest):
+    """A copy of `model_folder` with other weights (every parameter + 1e-3): another publication."""
+    model = load_model(model_folder)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+    model.save_pretrained(dest, safe_serialization=True)
+    load_tokenizer(model_folder).save_pretrained(dest)
+    return dest
+
+
 def test_upload_then_fetch_loads_the_same_model(run, model_folder, tmp_path):
     trainer = RemoteWeights(run)
     assert trainer.latest() is None
@@ -44,7 +60,7 @@ def test_upload_then_fetch_loads_the_same_model(run, model_folder, tmp_path):
     assert trainer.latest() == 1
     gen = RemoteWeights(open_store(run.uri), cache=tmp_path / "cache")
     folder = gen.fetch(gen.latest())
-    assert folder == tmp_path / "cache" / "v00000001"
+    assert folder.parent == tmp_path / "cache" and folder.name.startswith("v00000001-")
     assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in model_folder.iterdir())
     for p in model_folder.iterdir():
         assert (folder / p.name).read_bytes() == p.read_bytes()
@@ -70,7 +86,7 @@ def test_a_killed_upload_is_never_visible(run, model_folder, tmp_path):
     gen = RemoteWeights(open_store(run.uri), cache=tmp_path / "cache")
     with pytest.raises(WeightsError, match=r"v00000002 is not published \(no COMPLETE\.json"):
         gen.fetch(2)
-    assert not (tmp_path / "cache" / "v00000002").exists()
+    assert _cached(tmp_path / "cache") == []
     trainer.upload(model_folder, 2)                        # the restarted trainer publishes it again
     assert trainer.latest() == 2 and gen.fetch(2).is_dir()
 
@@ -86,7 +102,7 @@ def test_a_damaged_object_is_never_loaded(run, model_folder, tmp_path):
     gen = RemoteWeights(open_store(run.uri), cache=tmp_path / "cache")
     with pytest.raises(WeightsError, match=rf"{name}: \d+ bytes that do not match COMPLETE\.json"):
         gen.fetch(1)
-    assert not (tmp_path / "cache" / "v00000001").exists()
+    assert _cached(tmp_path / "cache") == []
     assert os.listdir(tmp_path / "cache" / "tmp") == []     # the partial download is gone
 
 
@@ -96,9 +112,9 @@ def test_the_cache_keeps_the_newest_versions(run, model_folder, tmp_path):
     for v in range(1, 5):
         trainer.upload(model_folder, v)
         gen.fetch(v)
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.name != "tmp") == ["v00000003", "v00000004"]
+    assert _cached(tmp_path / "cache") == ["v00000003", "v00000004"]
     gen.fetch(1)                                             # an old version asked for again: kept while in use
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.name != "tmp") == ["v00000001", "v00000004"]
+    assert _cached(tmp_path / "cache") == ["v00000001", "v00000004"]
 
 
 def test_a_killed_download_is_cleaned_and_never_loaded(run, model_folder, tmp_path):
@@ -115,3 +131,45 @@ def test_a_killed_download_is_cleaned_and_never_loaded(run, model_folder, tmp_pa
     gen = RemoteWeights(open_store(run.uri), cache=tmp_path / "cache")
     assert os.listdir(tmp_path / "cache" / "tmp") == []
     assert gen.fetch(1).is_dir() and gen.verify_cached(1)
+
+
+def test_a_version_published_again_after_a_resume_is_downloaded_again(run, model_folder, tmp_path):
+    """A resume withdraws v2 and publishes other weights as v2: a generator that cached the first v2 gets
+    the second, not its stale copy (the cache folder is named after COMPLETE.json's digest)."""
+    trainer = RemoteWeights(run)
+    trainer.upload(model_folder, 1)
+    trainer.upload(model_folder, 2)
+    gen = RemoteWeights(open_store(run.uri), cache=tmp_path / "cache")
+    first = gen.fetch(2)
+    assert trainer.abandon_after(1) == [2] and trainer.latest() == 1 and not trainer.is_complete(2)
+    other = _changed(model_folder, tmp_path / "other")
+    trainer.upload(other, 2)
+    second = gen.fetch(2)
+    assert second != first and gen.verify_cached(2)
+    for p in other.iterdir():
+        assert (second / p.name).read_bytes() == p.read_bytes()
+    assert _greedy(second) == _greedy(other)
+
+
+def test_a_resume_withdraws_versions_that_latest_never_listed(run, model_folder, tmp_path):
+    """A trainer killed after v3's COMPLETE.json but before its LATEST state, and one killed mid-upload of
+    v4: the resume from v2 withdraws both, so it can publish other weights as v3 and v4."""
+    trainer = RemoteWeights(run)
+    for v in (1, 2):
+        trainer.upload(model_folder, v)
+    killed = RemoteWeights(open_store(run.uri))
+
+    def kill(*args, **kwargs):
+        raise KeyboardInterrupt("killed before LATEST")
+    killed._latest.update = kill
+    with pytest.raises(KeyboardInterrupt):
+        killed.upload(model_folder, 3)
+    for p in model_folder.iterdir():                       # v4's files, no COMPLETE.json
+        run.upload(f"weights/v00000004/{p.name}", p)
+    assert trainer.versions() == [1, 2] and trainer.is_complete(3) and trainer.latest() == 2
+    assert trainer.abandon_after(2) == [3, 4]
+    assert run.list_folders("weights") == ["latest"] + [f"v0000000{v}" for v in (1, 2)]
+    other = _changed(model_folder, tmp_path / "other")
+    for v in (3, 4):
+        trainer.upload(other, v)
+    assert trainer.versions() == [1, 2, 3, 4] and trainer.latest() == 4

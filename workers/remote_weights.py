@@ -6,7 +6,8 @@
   v00000012/COMPLETE.json           written last, create-if-absent: {file: [size, sha256]}
   latest/latest-<n>.json            numbered states, the newest wins: {"version": 12}
 <cache>/                            on the generator's machine
-  v00000012/                        a verified download; loaded by the backend like any HF folder
+  v00000012-<digest>/               a verified download (digest: of its COMPLETE.json); loaded by the
+                                    backend like any HF folder
   tmp/                              downloads in flight
 ```
 
@@ -15,7 +16,9 @@ version is visible only once every file is there, and a trainer killed mid-uploa
 nobody reads (COMPLETE.json absent; the next upload of that version replaces them). A generator
 downloads into tmp/, checks every file's size and SHA-256 against COMPLETE.json, then renames the
 folder into the cache: a partial or damaged download is never loaded. The cache keeps the
-`keep` newest versions (and never deletes the one being returned).
+`keep` newest versions (and never deletes the one being returned). A resume withdraws the versions
+it undoes (every folder past its checkpoint, whether LATEST listed it or not) and publishes them
+again with other weights: the digest in a cache folder's name tells the two publications apart.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -32,6 +36,7 @@ from buffer.store import Numbered, Store
 from workers.weights import WeightStore, version_name
 
 COMPLETE = "COMPLETE.json"
+_CACHED = re.compile(r"v(\d+)(?:-[0-9a-f]+)?")   # a cache folder: v<version>-<digest of COMPLETE.json>
 
 
 class WeightsError(BufferError):
@@ -89,9 +94,18 @@ class RemoteWeights:
             for e in self.store.list(self._name(v)):
                 self.store.delete(self._name(v, e.name))
 
+    def _folders(self) -> list[int]:
+        """Every version with a folder on the store, complete or not, ascending."""
+        return sorted(int(n[1:]) for n in self.store.list_folders(self.folder) if n[:1] == "v" and n[1:].isdigit())
+
     def abandon_after(self, version: int) -> list[int]:
-        """Withdraw versions newer than `version` (a resume undid them) and point LATEST back."""
-        newer = [v for v in self.versions() if v > version]
+        """Withdraw versions newer than `version` (a resume undid them) and point LATEST back.
+
+        Also those LATEST's list never named: a trainer killed between a version's COMPLETE.json and its
+        LATEST state leaves a complete version that the resumed trainer will publish again, with other
+        weights; and a killed upload leaves files without COMPLETE.json."""
+        newer = sorted(set(self.versions()) | set(self._folders()))
+        newer = [v for v in newer if v > version]
         if not newer:
             return []
 
@@ -143,18 +157,26 @@ class RemoteWeights:
     def is_complete(self, version: int) -> bool:
         return any(e.name == COMPLETE for e in self.store.list(self._name(version)))
 
-    def fetch(self, version: int) -> Path:
-        """The cache folder of `version`, downloaded and verified if it is not there yet."""
+    def _cached(self, version: int) -> tuple[Path, dict]:
+        """(the cache folder of `version` as now published, its COMPLETE.json listing)."""
         if self.cache is None:
-            raise ValueError("RemoteWeights.fetch needs a cache folder")
-        final = self.cache / version_name(version)
-        if final.is_dir():
-            return final
+            raise ValueError("RemoteWeights needs a cache folder to download into")
         try:
-            listing = json.loads(self.store.read(self._name(version, COMPLETE)))
+            complete = self.store.read(self._name(version, COMPLETE))
         except FileNotFoundError:
             raise WeightsError(f"{self.store.uri}/{self._name(version)} is not published (no {COMPLETE}: "
                                f"an upload in progress or killed)") from None
+        return self.cache / f"{version_name(version)}-{hashlib.sha256(complete).hexdigest()[:12]}", json.loads(complete)
+
+    def fetch(self, version: int) -> Path:
+        """The cache folder of `version`, downloaded and verified if it is not there yet.
+
+        The folder is named after the version and a digest of its COMPLETE.json, so a version that a
+        resumed trainer withdrew and published again with other weights is downloaded again, never
+        served from the cache of the first publication."""
+        final, listing = self._cached(version)
+        if final.is_dir():
+            return final
         tmp = self.cache / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{final.name}"
         tmp.mkdir(parents=True)
         try:
@@ -174,35 +196,38 @@ class RemoteWeights:
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        self.prune_cache(keep_version=version)
+        self.prune_cache(keep=final)
         return final
 
-    def prune_cache(self, *, keep_version: int | None = None) -> list[int]:
-        """Keep `keep` cached versions: `keep_version` (the one being loaded) and the newest others; the
-        versions deleted."""
+    def prune_cache(self, *, keep: Path | None = None) -> list[Path]:
+        """Keep `self.keep` cached folders: `keep` (the one being loaded) and the newest others; returns
+        the folders deleted."""
         if self.cache is None or not self.cache.is_dir():
             return []
-        cached = sorted(int(p.name[1:]) for p in self.cache.iterdir()
-                        if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit())
-        if keep_version in cached:    # the version in use, and the keep - 1 newest of the others
-            others = [v for v in cached if v != keep_version]
-            doomed = others[:max(0, len(others) - (self.keep - 1))]
-        else:
-            doomed = cached[:max(0, len(cached) - self.keep)]
-        for v in doomed:
-            gone = self.cache / "tmp" / f"deleting-{uuid.uuid4().hex[:8]}-{version_name(v)}"
+        cached = []
+        for p in self.cache.iterdir():
+            m = _CACHED.fullmatch(p.name)
+            if m and p.is_dir():
+                try:
+                    cached.append((int(m.group(1)), p.stat().st_mtime, p))
+                except FileNotFoundError:
+                    pass     # pruned by another process meanwhile
+        others = [p for _, _, p in sorted(cached) if p != keep]
+        room = self.keep - 1 if keep is not None and keep.is_dir() else self.keep
+        doomed = others[:max(0, len(others) - room)]
+        for p in doomed:
+            gone = self.cache / "tmp" / f"deleting-{uuid.uuid4().hex[:8]}-{p.name}"
             gone.parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.rename(self.cache / version_name(v), gone)   # out of sight at once, then deleted
+                os.rename(p, gone)   # out of sight at once, then deleted
             except FileNotFoundError:
                 continue
             shutil.rmtree(gone, ignore_errors=True)
         return doomed
 
     def verify_cached(self, version: int) -> bool:
-        """Whether the cached copy of `version` still matches COMPLETE.json (sizes and SHA-256)."""
-        final = self.cache / version_name(version)
-        listing = json.loads(self.store.read(self._name(version, COMPLETE)))
+        """Whether the cached copy of `version` as now published matches its COMPLETE.json (sizes, SHA-256)."""
+        final, listing = self._cached(version)
         return all((final / n).is_file() and (final / n).stat().st_size == size and _sha256(final / n) == sha
                    for n, (size, sha) in listing.items())
 
