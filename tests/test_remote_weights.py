@@ -173,3 +173,54 @@ def test_a_resume_withdraws_versions_that_latest_never_listed(run, model_folder,
     for v in (3, 4):
         trainer.upload(other, v)
     assert trainer.versions() == [1, 2, 3, 4] and trainer.latest() == 4
+
+
+def test_checkpoints_mirrored_to_the_store_resume_elsewhere(run, tmp_path):
+    """A trainer's checkpoints on the store: the newest `keep` complete ones are listed, one whose upload
+    was killed (no COMPLETE.json) is not, and a resume on an empty machine downloads the newest whole."""
+    from buffer.store import RemotePath
+    from workers.trainer.checkpoint import RemoteCheckpoints, list_checkpoints
+
+    here = tmp_path / "here"
+    here.mkdir()
+    mirror = RemoteCheckpoints(RemotePath(run, ""), keep=2)
+    for step in (4, 8, 12):
+        f = here / f"step-{step:09d}.pt"
+        f.write_bytes(bytes([step]) * 1000)
+        mirror.upload(f)
+    dcp = here / "step-000000016.dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"meta")
+    (dcp / "state.pt").write_bytes(b"state" * 100)
+    mirror.upload(dcp)
+    mirror.wait()
+    assert mirror.steps() == [(12, "step-000000012.pt"), (16, "step-000000016.dcp")]
+    run.upload("checkpoints/step-000000020.pt/step-000000020.pt", here / "step-000000012.pt")   # killed: no COMPLETE
+    assert [s for s, _ in mirror.steps()] == [12, 16]
+    elsewhere = tmp_path / "elsewhere"
+    got = mirror.fetch_newer(elsewhere)
+    assert got == elsewhere / "step-000000016.dcp" and [s for s, _ in list_checkpoints(elsewhere)] == [16]
+    assert sorted(p.name for p in got.iterdir()) == [".metadata", "state.pt"]
+    assert (got / "state.pt").read_bytes() == b"state" * 100
+    assert mirror.fetch_newer(elsewhere) is None and list(elsewhere.joinpath("tmp").iterdir()) == []
+    assert mirror.remove_after(12) == ["step-000000016.dcp", "step-000000020.pt"]
+    assert mirror.steps() == [(12, "step-000000012.pt")]
+    assert mirror.fetch_newer(tmp_path / "third") == tmp_path / "third" / "step-000000012.pt"
+    assert (tmp_path / "third" / "step-000000012.pt").read_bytes() == bytes([12]) * 1000
+
+
+def test_a_trainer_on_another_machine_restores_its_version_from_the_store(run, model_folder, tmp_path):
+    """The version a resume starts at is downloaded into the new machine's weights folder, not published
+    again (its weights.json would differ), and LATEST stays complete."""
+    from workers.remote_weights import MirroredWeightStore
+
+    first = MirroredWeightStore(tmp_path / "a", RemoteWeights(run), source=model_folder)
+    model, tok = load_model(model_folder), load_tokenizer(model_folder)
+    first.publish(model, tok, 3, info={"step": 3})
+    second = MirroredWeightStore(tmp_path / "b", RemoteWeights(open_store(run.uri)), source=model_folder)
+    assert not second.restore(4) and second.restore(3) and not second.restore(3)
+    assert sorted(p.name for p in second.folder(3).iterdir()) == sorted(p.name for p in first.folder(3).iterdir())
+    for p in first.folder(3).iterdir():
+        assert (second.folder(3) / p.name).read_bytes() == p.read_bytes()
+    second.sync(3)
+    assert second.remote.latest() == 3 and second.is_complete(3)

@@ -51,6 +51,74 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def listing_of(files: list[Path]) -> dict[str, list]:
+    """COMPLETE.json's content for local `files`: {name: [size, sha256]}."""
+    return {p.name: [p.stat().st_size, _sha256(p)] for p in files}
+
+
+class CompleteFolders:
+    """Folders of write-once files on a Store, each visible only once its COMPLETE.json is there.
+
+    `put` uploads the files, then COMPLETE.json ({file: [size, sha256]}) with create-if-absent;
+    `download` checks every file against it. Weight versions and trainer checkpoints are kept so."""
+
+    def __init__(self, store: Store, folder: str):
+        self.store, self.folder = store, folder.strip("/")
+
+    def name(self, sub: str, file: str = "") -> str:
+        return f"{self.folder}/{sub}/{file}".rstrip("/")
+
+    def subfolders(self) -> list[str]:
+        """Every folder here, complete or not."""
+        return self.store.list_folders(self.folder)
+
+    def is_complete(self, sub: str) -> bool:
+        return any(e.name == COMPLETE for e in self.store.list(self.name(sub)))
+
+    def complete(self, sub: str) -> bytes | None:
+        """The COMPLETE.json of `sub` as stored, None when `sub` is not (yet, or no longer) complete."""
+        try:
+            return self.store.read(self.name(sub, COMPLETE))
+        except FileNotFoundError:
+            return None
+
+    def put(self, sub: str, files: list[Path]) -> None:
+        """Upload `files` as `sub`, then its COMPLETE.json. A `sub` already complete with the same files is
+        left as it is (an upload killed after COMPLETE.json); with other files it is FileExistsError."""
+        if not files:
+            raise WeightsError(f"no files to upload as {self.store.uri}/{self.name(sub)}")
+        listing = listing_of(files)
+        done = self.complete(sub)
+        if done is not None:
+            if json.loads(done) != listing:
+                raise FileExistsError(f"{self.store.uri}/{self.name(sub)} is already published with other "
+                                      f"files; published versions never change")
+            return
+        for p in files:
+            self.store.upload(self.name(sub, p.name), p)
+        if not self.store.put_new(self.name(sub, COMPLETE), json.dumps(listing, indent=1).encode()):
+            raise FileExistsError(f"{self.store.uri}/{self.name(sub)} was completed by another writer")
+
+    def withdraw(self, sub: str) -> None:
+        """Make `sub` invisible: COMPLETE.json first (then no reader fetches it), then the files."""
+        self.store.delete(self.name(sub, COMPLETE))
+        for e in self.store.list(self.name(sub)):
+            self.store.delete(self.name(sub, e.name))
+
+    def download(self, sub: str, listing: dict, into: Path) -> None:
+        """Download the files `listing` names into the local folder `into`, each checked (size, SHA-256)
+        and fsynced; WeightsError names the first that does not match."""
+        for name, (size, sha) in sorted(listing.items()):
+            self.store.download(self.name(sub, name), into / name)
+            got = (into / name).stat().st_size
+            if got != size or _sha256(into / name) != sha:
+                raise WeightsError(f"{self.store.uri}/{self.name(sub, name)}: {got} bytes that do "
+                                   f"not match {COMPLETE} ({size} bytes, sha256 {sha[:12]}...); not loaded")
+            with open(into / name, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(into)
+
+
 class RemoteWeights:
     """The weights/ folder of a run on a Store; `cache` is a local folder for downloads (generators)."""
 
@@ -59,6 +127,7 @@ class RemoteWeights:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep!r}")
         self.store, self.folder, self.keep = store, folder.strip("/"), keep
+        self.folders = CompleteFolders(store, self.folder)
         self.cache = Path(cache) if cache is not None else None
         self._latest = Numbered(store, f"{self.folder}/latest", "latest")
         if self.cache is not None:
@@ -73,9 +142,6 @@ class RemoteWeights:
                 if p.name.startswith("deleting-") or (pid.isdigit() and not pid_alive(int(pid))):
                     shutil.rmtree(p, ignore_errors=True)
 
-    def _name(self, version: int, file: str = "") -> str:
-        return f"{self.folder}/{version_name(version)}/{file}".rstrip("/")
-
     # -- the trainer ---------------------------------------------------------------------
     def set_latest(self, version: int) -> None:
         """Point LATEST at `version` (a resume moves it back), keeping the list of published versions."""
@@ -88,15 +154,12 @@ class RemoteWeights:
         return sorted((state or {}).get("versions", []))
 
     def _withdraw(self, versions: list[int]) -> None:
-        """Make `versions` unpublished: COMPLETE.json first (then no reader fetches them), then the files."""
         for v in versions:
-            self.store.delete(self._name(v, COMPLETE))
-            for e in self.store.list(self._name(v)):
-                self.store.delete(self._name(v, e.name))
+            self.folders.withdraw(version_name(v))
 
     def _folders(self) -> list[int]:
         """Every version with a folder on the store, complete or not, ascending."""
-        return sorted(int(n[1:]) for n in self.store.list_folders(self.folder) if n[:1] == "v" and n[1:].isdigit())
+        return sorted(int(n[1:]) for n in self.folders.subfolders() if n[:1] == "v" and n[1:].isdigit())
 
     def abandon_after(self, version: int) -> list[int]:
         """Withdraw versions newer than `version` (a resume undid them) and point LATEST back.
@@ -130,21 +193,7 @@ class RemoteWeights:
         """Upload the HF folder `local` as `version`, then make it LATEST. A version already complete
         with the same files only moves LATEST (an upload killed before it); with other files it is an error
         (published versions never change)."""
-        local = Path(local)
-        files = sorted(p for p in local.iterdir() if p.is_file())
-        if not files:
-            raise WeightsError(f"{local}: no files to upload as {version_name(version)}")
-        listing = {p.name: [p.stat().st_size, _sha256(p)] for p in files}
-        if self.is_complete(version):
-            # The same files (a trainer killed after COMPLETE.json, before LATEST): only LATEST is left to do.
-            if json.loads(self.store.read(self._name(version, COMPLETE))) != listing:
-                raise FileExistsError(f"{self.store.uri}/{self._name(version)} is already published with other "
-                                      f"files; published versions never change")
-        else:
-            for p in files:
-                self.store.upload(self._name(version, p.name), p)
-            if not self.store.put_new(self._name(version, COMPLETE), json.dumps(listing, indent=1).encode()):
-                raise FileExistsError(f"{self.store.uri}/{self._name(version)} was completed by another writer")
+        self.folders.put(version_name(version), sorted(p for p in Path(local).iterdir() if p.is_file()))
         self._latest.update(lambda s: {"version": max(version, (s or {}).get("version", -1)),
                                        "versions": sorted(set((s or {}).get("versions", [])) | {version})})
 
@@ -155,18 +204,18 @@ class RemoteWeights:
         return None if state is None or state["version"] < 0 else int(state["version"])
 
     def is_complete(self, version: int) -> bool:
-        return any(e.name == COMPLETE for e in self.store.list(self._name(version)))
+        return self.folders.is_complete(version_name(version))
 
     def _cached(self, version: int) -> tuple[Path, dict]:
         """(the cache folder of `version` as now published, its COMPLETE.json listing)."""
         if self.cache is None:
             raise ValueError("RemoteWeights needs a cache folder to download into")
-        try:
-            complete = self.store.read(self._name(version, COMPLETE))
-        except FileNotFoundError:
-            raise WeightsError(f"{self.store.uri}/{self._name(version)} is not published (no {COMPLETE}: "
-                               f"an upload in progress or killed)") from None
-        return self.cache / f"{version_name(version)}-{hashlib.sha256(complete).hexdigest()[:12]}", json.loads(complete)
+        sub = version_name(version)
+        complete = self.folders.complete(sub)
+        if complete is None:
+            raise WeightsError(f"{self.store.uri}/{self.folders.name(sub)} is not published (no {COMPLETE}: "
+                               f"an upload in progress or killed)")
+        return self.cache / f"{sub}-{hashlib.sha256(complete).hexdigest()[:12]}", json.loads(complete)
 
     def fetch(self, version: int) -> Path:
         """The cache folder of `version`, downloaded and verified if it is not there yet.
@@ -180,15 +229,7 @@ class RemoteWeights:
         tmp = self.cache / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{final.name}"
         tmp.mkdir(parents=True)
         try:
-            for name, (size, sha) in sorted(listing.items()):
-                self.store.download(self._name(version, name), tmp / name)
-                got = (tmp / name).stat().st_size
-                if got != size or _sha256(tmp / name) != sha:
-                    raise WeightsError(f"{self.store.uri}/{self._name(version, name)}: {got} bytes that do "
-                                       f"not match {COMPLETE} ({size} bytes, sha256 {sha[:12]}...); not loaded")
-                with open(tmp / name, "rb") as f:
-                    os.fsync(f.fileno())
-            fsync_dir(tmp)
+            self.folders.download(version_name(version), listing, tmp)
             try:
                 os.rename(tmp, final)
             except OSError:
@@ -281,6 +322,25 @@ class MirroredWeightStore(WeightStore):
     def abandon_after(self, version: int) -> list[int]:
         self.remote.abandon_after(version)
         return super().abandon_after(version)
+
+    def restore(self, version: int) -> bool:
+        """Download `version` from the store into the local folder if it is complete there and missing
+        here (a trainer resuming on another machine: publishing it again would write other files, as
+        weights.json records when it was published); whether it did."""
+        sub = version_name(version)
+        complete = self.remote.folders.complete(sub)
+        if self.folder(version).exists() or complete is None:
+            return False
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        tmp = self.tmp / f"{os.getpid()}%{uuid.uuid4().hex[:8]}%{sub}"
+        tmp.mkdir()
+        try:
+            self.remote.folders.download(sub, json.loads(complete), tmp)
+            os.replace(tmp, self.folder(version))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        fsync_dir(self.root)
+        return True
 
     def sync(self, version: int) -> None:
         """Upload `version` if the store lacks it (a trainer killed between its local publication and the

@@ -19,6 +19,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -221,3 +222,85 @@ def _plain(obj):
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
     return obj
+
+
+class RemoteCheckpoints:
+    """The checkpoints of a run on an object store, mirrored to `<run>/checkpoints/` there, so a trainer
+    can resume on another machine (its own checkpoints are written locally first, in its work folder).
+
+    Each checkpoint is a folder on the store, `step-000000012.pt/` or `step-000000012.dcp/`, holding the
+    checkpoint's file (or the .dcp folder's files) and, written last, COMPLETE.json with every file's
+    size and SHA-256: a checkpoint whose upload was killed is never downloaded. Uploads run in a
+    background thread, one at a time (the next checkpoint waits for the last); an error is raised by the
+    next call. The store keeps the `keep` newest complete checkpoints."""
+
+    def __init__(self, run, *, keep: int = 2):
+        from workers.remote_weights import CompleteFolders
+
+        self.folders = CompleteFolders(run.store, (run / "checkpoints").key)
+        self.where = f"{run}/checkpoints"
+        self.keep = keep
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def steps(self) -> list[tuple[int, str]]:
+        """(step, folder name) of every complete checkpoint on the store, ascending."""
+        out = [(int(m.group(1)), sub) for sub in self.folders.subfolders() if (m := _NAME.match(sub))]
+        return sorted(s for s in out if self.folders.is_complete(s[1]))
+
+    def upload(self, path: Path) -> None:
+        """Start uploading the local checkpoint `path` (file or .dcp folder), then prune the store."""
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(Path(path),), name=f"upload-{Path(path).name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, path: Path) -> None:
+        try:
+            files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+            self.folders.put(path.name, files)
+            for _, sub in self.steps()[:-self.keep]:
+                self.folders.withdraw(sub)
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread by wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Until the upload in flight is done; raises its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"uploading a checkpoint to {self.where} failed: {error}") from error
+
+    def fetch_newer(self, root: Path) -> Path | None:
+        """Download the store's newest checkpoint into the local folder `root` if it is newer than every
+        checkpoint there (a trainer resuming on another machine); the path, or None if nothing was needed."""
+        import json
+
+        remote = self.steps()
+        local = list_checkpoints(root)
+        if not remote or (local and local[-1][0] >= remote[-1][0]):
+            return None
+        step, sub = remote[-1]
+        listing = json.loads(self.folders.complete(sub) or b"{}")
+        tmp = root / "tmp" / f"{os.getpid()}%{uuid.uuid4().hex[:8]}%download"
+        tmp.mkdir(parents=True)
+        try:
+            self.folders.download(sub, listing, tmp)
+            final = root / sub
+            if sub.endswith(".dcp"):
+                os.replace(tmp, final)
+            else:
+                os.replace(tmp / sub, final)
+            fsync_dir(root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    def remove_after(self, step: int) -> list[str]:
+        """Withdraw the store's checkpoints of steps after `step` (a resume chose an older one)."""
+        gone = [sub for sub in self.folders.subfolders() if (m := _NAME.match(sub)) and int(m.group(1)) > step]
+        for sub in gone:
+            self.folders.withdraw(sub)
+        return gone

@@ -191,6 +191,8 @@ def _checkpoint(s: Session) -> None:
     s.last_checkpoint = s.step
     if s.dist.is_main:
         log.info("checkpoint %s (%.2f s)", path.name, time.time() - t0)
+        if s.ckpt_mirror is not None:   # a run on an object store: to the store too, in the background
+            s.ckpt_mirror.upload(path)
 
 
 def _close(s: Session, reason: str) -> None:
@@ -203,6 +205,8 @@ def _close(s: Session, reason: str) -> None:
         _checkpoint(s)
     if s.dist.is_main:
         s.metrics.flush()
+        if s.ckpt_mirror is not None:
+            s.ckpt_mirror.wait()
         log.info("trainer stopped (%s) at step %d, version %d", reason, s.step, s.version)
     s.dist.barrier()
 

@@ -32,8 +32,8 @@ import torch
 
 from workers.remote_weights import work_dir
 from workers.stop import StopFlag
-from workers.trainer.checkpoint import (clean_tmp, list_checkpoints, load_checkpoint, load_sharded, remove_after,
-                                        set_rng_state)
+from workers.trainer.checkpoint import (RemoteCheckpoints, clean_tmp, list_checkpoints, load_checkpoint,
+                                        load_sharded, remove_after, set_rng_state)
 from workers.trainer.config import TrainerConfig
 from workers.trainer.control import KLController
 from workers.trainer.distributed import Dist
@@ -74,6 +74,7 @@ class Session:
     publisher: object = None
     metrics: MetricsWriter | None = None
     last_checkpoint: int = 0
+    ckpt_mirror: RemoteCheckpoints | None = None   # rank 0 of a run on an object store
 
     @property
     def ckpt_dir(self) -> Path:
@@ -118,6 +119,7 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
     device = _device(cfg, dist)
     run.mkdir(parents=True, exist_ok=True)
     ckpt_dir = work_dir(run) / "checkpoints"
+    mirror = _checkpoints_from_store(run, ckpt_dir, cfg, resume, dist)
     checkpoints = list_checkpoints(ckpt_dir)
     if checkpoints and not resume:
         raise TrainerError(f"run {str(run)!r} has checkpoints (newest: step {checkpoints[-1][0]}); pass "
@@ -169,7 +171,7 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
     version = int(state["version"]) if state is not None else 0
     s = Session(run=run, cfg=cfg, dist=dist, device=device, model=model, ref_model=ref_model, tokenizer=tokenizer,
                 optimizer=optimizer, kl=kl, step=step, version=version, offline=offline, offline_offset=0,
-                stop=stop, pad_id=pad_id, last_checkpoint=step)
+                stop=stop, pad_id=pad_id, last_checkpoint=step, ckpt_mirror=mirror)
     # Under FSDP gathering the weights is a collective, so every rank takes part even though
     # rank 0 publishes them only when the resumed version's folder is missing.
     initial = full_state_dict(model) if dist.sharded else None
@@ -183,6 +185,35 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
     s.offline_offset = dist.broadcast(s.offline_offset)
     dist.barrier()
     return s
+
+
+def _checkpoints_from_store(run, ckpt_dir: Path, cfg: TrainerConfig, resume: bool,
+                            dist: Dist) -> RemoteCheckpoints | None:
+    """For a run on an object store: its checkpoints there (rank 0's mirror; None elsewhere). A resume on
+    a machine whose work folder lacks the newest of them downloads it first; a fresh start is refused
+    when the store has any, as when the work folder has."""
+    from buffer.store import RemotePath
+
+    if not isinstance(run, RemotePath):
+        return None
+    mirror, error = None, None
+    if dist.is_main:
+        mirror = RemoteCheckpoints(run, keep=cfg.keep_checkpoints)
+        try:
+            steps = mirror.steps()
+            if steps and not resume:
+                error = (f"run {str(run)!r} has checkpoints on the store (newest: step {steps[-1][0]}); pass "
+                         "--resume to continue it, or start a new run directory")
+            elif resume:
+                got = mirror.fetch_newer(ckpt_dir)
+                if got is not None:
+                    log.info("downloaded checkpoint %s from %s", got.name, mirror.where)
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            error = f"reading the checkpoints in {mirror.where} failed: {e}"
+    error = dist.broadcast(error)
+    if error is not None:
+        raise TrainerError(error)
+    return mirror
 
 
 def _adamw(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
@@ -276,6 +307,8 @@ def _open_files(s: Session, model_folder: Path, state: dict | None, initial: dic
         log.info("moved weights of undone versions %s to %s", undone, s.weights.abandoned)
     s.publisher = Publisher(s.weights, model_folder, s.tokenizer, keep=s.cfg.keep_weights,
                             background=s.cfg.publish_background, gathered=s.dist.sharded)
+    if isinstance(s.weights, MirroredWeightStore) and s.weights.restore(s.version):
+        log.info("downloaded weights of version %d from %s", s.version, s.weights.remote.store.uri)
     if s.weights.folder(s.version).exists() and not s.weights.is_complete(s.version):
         moved = s.weights.set_aside(s.version, "incomplete: config.json, *.safetensors or weights.json missing")
         log.warning("weights of version %d were incomplete; moved to %s and published again", s.version, moved)
@@ -293,5 +326,7 @@ def _open_files(s: Session, model_folder: Path, state: dict | None, initial: dic
         log.info("dropped %d metrics rows of steps after %d", dropped, s.step)
     remove_after(s.ckpt_dir, s.step)
     clean_tmp(s.ckpt_dir)
+    if s.ckpt_mirror is not None:
+        s.ckpt_mirror.remove_after(s.step)
     log.info("trainer at step %d, version %d (%s, %s); buffer %s", s.step, s.version,
              "resumed" if state is not None else "fresh", "offline" if s.offline else "online", buffer_root)
