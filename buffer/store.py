@@ -27,6 +27,7 @@ StoreError that says which.
 
 from __future__ import annotations
 
+import email.utils
 import errno
 import io
 import json
@@ -112,6 +113,10 @@ class Store:
     def check(self) -> None:
         """Raise StoreError unless the root can be listed and written (run before starting daemons)."""
         raise NotImplementedError
+
+    def now(self) -> float:
+        """The store's clock (seconds since the epoch): what the times of `list` entries are measured by."""
+        return time.time()
 
     def url(self, name: str) -> str:
         """What DuckDB and pyarrow are given for `name` (with `arrow_filesystem()` / `register()`)."""
@@ -403,6 +408,18 @@ class FsspecStore(Store):
         self.fs.invalidate_cache(self._key(name))
         return out
 
+    def now(self) -> float:
+        """The server's clock, from the Date header of a HEAD of the bucket (1 s resolution, as the
+        LastModified times it is compared with); this machine's clock where the filesystem has no S3 call."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            return time.time()
+
+        def head():
+            date = call("head_bucket", Bucket=self.bucket).get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+            return email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
+        return self._retry("read", head)
+
     def check(self) -> None:
         probe = f".check-{uuid.uuid4().hex[:8]}"
         try:
@@ -484,11 +501,16 @@ class Numbered:
 
     def read(self) -> tuple[int, dict | None]:
         """(n, state) of the newest; (0, None) when there is none."""
+        n, state, _ = self.read_timed()
+        return n, state
+
+    def read_timed(self) -> tuple[int, dict | None, float]:
+        """(n, state, when it was written by the store's clock) of the newest; (0, None, 0.0) if none."""
         for _ in range(10):
             numbers = self._numbers()
             if not numbers:
-                return 0, None
-            n = numbers[-1][0]
+                return 0, None, 0.0
+            n, written = numbers[-1]
             try:
                 raw = self.store.read(self._name(n))
             except FileNotFoundError:
@@ -496,7 +518,7 @@ class Numbered:
             try:
                 state = json.loads(raw)
                 state.pop(_NONCE, None)
-                return n, state
+                return n, state, written
             except ValueError as e:
                 raise BufferError(f"unreadable {self.store.uri}/{self._name(n)}: {e}") from e
         raise BufferError(f"{self.store.uri}/{self.folder}: {self.stem} kept changing while being read")
@@ -511,13 +533,15 @@ class Numbered:
             self.prune()
         return ok
 
-    def update(self, fn: Callable[[dict | None], dict | None], *, attempts: int = 100) -> tuple[int, dict | None]:
+    def update(self, fn: Callable[..., dict | None], *, attempts: int = 100,
+               timed: bool = False) -> tuple[int, dict | None]:
         """Apply fn to the newest state until this writer's n + 1 is the one created; (n, state) written.
-        fn returning None leaves the state as it is (nothing written)."""
+        fn returning None leaves the state as it is (nothing written). timed: fn(state, written), with
+        `written` the time the state was written by the store's clock (0.0 when there is none)."""
         for _ in range(attempts):
             started = time.monotonic()
-            n, state = self.read()
-            new = fn(state)
+            n, state, written = self.read_timed()
+            new = fn(state, written) if timed else fn(state)
             if new is None:
                 return n, state
             if time.monotonic() - started > self.grace_s / 2:
@@ -563,11 +587,15 @@ def _dead_here(state: dict) -> bool:
 class Lease:
     """One holder of a role at a time (the trainer of a run), on any store.
 
-    The lease is a Numbered state {holder, host, pid, expires}. `acquire` takes it when there is none,
+    The lease is a Numbered state {holder, host, pid, ttl_s}. `acquire` takes it when there is none,
     the current one expired (its holder stopped renewing: killed elsewhere), or its holder was a process
     of this host that is gone (killed here: no need to wait), by creating the next number:
     of two racing, one wins. `renew` extends it (the holder's own next number); a holder whose renew
     finds someone else's newer lease has lost it and must stop (fencing: `LeaseHeld`).
+
+    Expiry is judged by the store's clock alone: a state expires ttl_s after the store wrote it
+    (its LastModified), compared with the store's time now (`Store.now`), plus a second for their
+    1 s resolution. The machines' clocks never meet, so a skewed clock cannot take a live lease.
     """
 
     def __init__(self, store: Store, folder: str, role: str, *, ttl_s: float = 30.0):
@@ -576,28 +604,29 @@ class Lease:
         self.holder = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.epoch: int | None = None
 
-    def _mine(self, now: float) -> dict:
+    def _mine(self) -> dict:
         return {"holder": self.holder, "host": os.uname().nodename, "host_id": host_id(), "pid": os.getpid(),
-                "expires": now + self.ttl_s}
+                "ttl_s": self.ttl_s}
 
     def acquire(self) -> None:
-        def take(state):
-            now = time.time()
-            if (state is not None and state["holder"] != self.holder and state["expires"] > now
-                    and not _dead_here(state)):
+        def take(state, written):
+            if state is None or state["holder"] == self.holder or state.get("released") or _dead_here(state):
+                return self._mine()
+            left = written + float(state.get("ttl_s", self.ttl_s)) + 1.0 - self.numbered.store.now()
+            if left > 0:
                 raise LeaseHeld(f"{self.numbered.store.uri}: another {self.role} holds this run "
                                 f"(pid {state['pid']} on {state['host']}, lease valid for "
-                                f"{state['expires'] - now:.0f} s more); stop it first, or wait until its lease "
+                                f"{left:.0f} s more); stop it first, or wait until its lease "
                                 f"expires if it was killed")
-            return self._mine(now)
-        self.epoch, _ = self.numbered.update(take)
+            return self._mine()
+        self.epoch, _ = self.numbered.update(take, timed=True)
 
     def renew(self) -> None:
         n, state = self.numbered.read()
         if state is None or state["holder"] != self.holder:
             raise LeaseHeld(f"{self.numbered.store.uri}: this {self.role} lost its lease to "
                             f"{state and state['holder']}; stopping")
-        if not self.numbered.create(n + 1, self._mine(time.time())):
+        if not self.numbered.create(n + 1, self._mine()):
             raise LeaseHeld(f"{self.numbered.store.uri}: this {self.role} lost its lease while renewing; stopping")
         self.epoch = n + 1
 
@@ -605,7 +634,7 @@ class Lease:
         def drop(state):
             if state is None or state["holder"] != self.holder:
                 return None
-            return {**state, "expires": 0.0}
+            return {**state, "released": True}
         self.numbered.update(drop)
 
 

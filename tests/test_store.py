@@ -108,18 +108,45 @@ def test_a_slow_writer_reads_again_instead_of_recreating_a_pruned_number(root):
 
 def test_lease_refuses_a_second_holder_until_the_first_expires(root):
     store = open_store(root)
-    first = Lease(store, "leases", "trainer", ttl_s=1.5)
+    first = Lease(store, "leases", "trainer", ttl_s=1.0)
     first.acquire()
-    second = Lease(open_store(root), "leases", "trainer", ttl_s=1.5)
+    second = Lease(open_store(root), "leases", "trainer", ttl_s=1.0)
     with pytest.raises(LeaseHeld, match=r"another trainer holds this run \(pid \d+ on "):
         second.acquire()
     first.renew()                                  # the holder keeps it
-    time.sleep(1.7)                                # ... until it stops renewing (killed)
+    time.sleep(3.2)                                # ... until it stops renewing (killed): ttl + 2 s of resolution
     second.acquire()
     with pytest.raises(LeaseHeld, match="lost its lease"):
         first.renew()                              # fenced: the old holder must stop
     second.release()
     Lease(store, "leases", "trainer").acquire()    # released: taken at once
+
+
+def test_a_lease_is_judged_by_the_stores_clock_not_the_machines(s3env, monkeypatch):
+    """An acquirer whose clock runs an hour ahead (or behind) of the holder's: the live lease is still
+    refused, and once the holder stops renewing it is taken ttl_s later by the store's clock."""
+    import buffer.store as store_module
+
+    class Skewed:
+        def __init__(self, by):
+            self.by = by
+
+        def time(self):
+            return time.time() + self.by
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+    s3env.create_bucket("skew")
+    first = Lease(open_store("s3://skew/run"), "leases", "trainer", ttl_s=2.0)
+    first.acquire()
+    for by in (3600.0, -3600.0):
+        monkeypatch.setattr(store_module, "time", Skewed(by))
+        with pytest.raises(LeaseHeld, match=r"lease valid for \d+ s more"):
+            Lease(open_store("s3://skew/run"), "leases", "trainer", ttl_s=2.0).acquire()
+    monkeypatch.setattr(store_module, "time", Skewed(-3600.0))
+    time.sleep(4.2)                                # the holder stopped renewing: ttl + 2 s of resolution
+    Lease(open_store("s3://skew/run"), "leases", "trainer", ttl_s=2.0).acquire()
 
 
 def test_sql_over_the_bucket_without_extensions(s3env):
