@@ -164,6 +164,52 @@ def test_published_folder_of_fsdp_run_loads_and_generates_like_the_trainer(runs,
 
 
 @pytest.mark.slow
+def test_published_folder_of_fsdp_run_runs_in_the_vllm_backend_like_the_trainer(runs, model_folder):  # noqa: F811
+    """The folder an FSDP run published, loaded by the vllm backend (vLLM's CPU build here): its greedy
+    completions are the trainer model's, and the behaviour log-probs it records are the trainer model's
+    log_softmax to 1e-5."""
+    from workers.backends import SamplingConfig, make_backend
+    from workers.backends.vllm import vllm_available
+    from workers.grpo import token_logprobs
+    from workers.model import load_model, load_tokenizer
+
+    if vllm_available() is not None:
+        pytest.skip(f"vllm does not import: {vllm_available()}")
+    from vllm import SamplingParams
+
+    two = runs / "two"
+    folder = WeightStore(two / "weights").folder(3)
+    trainer = load_model(model_folder)
+    trainer.load_state_dict(_model_state(list_checkpoints(two / "checkpoints")[-1][1], model_folder))
+    trainer.eval()
+    tok = load_tokenizer(folder)
+    prompts = ["12+34=", "7+8=", "99+1=", "5*6="]
+    backend = make_backend("vllm", folder, seed=0)
+    try:
+        ids = backend.prompt_token_ids(prompts)
+        outs = backend.llm.generate([{"prompt_token_ids": i} for i in ids],
+                                    SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+        groups = backend.generate(prompts, n=4, sampling=SamplingConfig(temperature=1.0, max_new_tokens=8), seed=3)
+    finally:
+        backend.close()
+    for prompt_ids, out in zip(ids, outs):
+        with torch.no_grad():
+            want = trainer.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False,
+                                    pad_token_id=tok.pad_token_id)[0, len(prompt_ids):].tolist()
+        got = list(out.outputs[0].token_ids)
+        assert got == want and len(got) > 0, (got, want)
+    worst = 0.0
+    for prompt_ids, group in zip(ids, groups):
+        for r in group:
+            full = torch.tensor([prompt_ids + r.token_ids])
+            with torch.no_grad():
+                logits = trainer(full).logits[0, len(prompt_ids) - 1:-1]
+            ref = token_logprobs(logits, full[0, len(prompt_ids):], 1.0)
+            worst = max(worst, (torch.tensor(r.logprobs) - ref).abs().max().item())
+    assert worst < 1e-5, worst
+
+
+@pytest.mark.slow
 def test_single_file_checkpoint_resumes_under_fsdp(runs, model_folder):  # noqa: F811
     """A DDP run's step-2 .pt checkpoint (model and AdamW moments) resumed by 2 FSDP ranks: step 3 matches."""
     run = runs / "ddp-to-fsdp"
