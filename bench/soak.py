@@ -41,6 +41,10 @@ measures, while everything runs:
                  FROM rollouts GROUP BY version")` on a fresh BufferSQL (fresh connection, views
                  rebuilt, every footer read): what a user's SQL costs (median of 3 calls, fewer
                  once they have taken 3 s: the daemons share the cores, one call is noisy)
+  stats_ms       the same answer from the version_stats table ("SELECT version,
+                 sum(reward_sum) / sum(completions) FROM version_stats GROUP BY version"),
+                 built from the shards' footer sums: no row is read, so it follows the
+                 number of live files rather than the rows (measured the same way)
   pull_p50_ms, pull_p99_ms
                  percentiles of the trainer's successful pulls since the last tenth, leaving out
                  those that overlapped this bench's own measurements below (which grow with the
@@ -134,6 +138,8 @@ HEARTBEAT_S = 0.5          # trainer / writer progress files
 STALL_S = 300.0            # no trainer step for this long: the bench stops with an error
 COMPACTOR_SETTINGS = ["compactor.every_s=5", "compactor.min_age_s=2", "compactor.grace_s=10"]
 AGGREGATE_SQL = "SELECT version, avg(reward) AS reward FROM rollouts GROUP BY version"
+# The same answer from the version_stats table (the shards' footer sums, buffer/stats.py): no row scan.
+STATS_SQL = "SELECT version, sum(reward_sum) / sum(completions) AS reward FROM version_stats GROUP BY version"
 LIVE_EVERY_S = 5.0           # real part: live files are counted this often (each minute: its peak and low)
 DECILES = 10
 
@@ -427,6 +433,13 @@ def aggregate(run: Path) -> None:
     BufferSQL(run).query(AGGREGATE_SQL)
 
 
+def stats(run: Path) -> None:
+    """Mean reward by version from version_stats, on a fresh BufferSQL (every footer read)."""
+    from buffer import BufferSQL
+
+    BufferSQL(run).query(STATS_SQL)
+
+
 def status(run: Path) -> None:
     from pipeline.status import buffer_status
 
@@ -581,13 +594,15 @@ def synthetic(base: Path, args, state: dict) -> dict:
         (ctl / "measuring").touch()
         try:
             agg = measured(aggregate, run, errors)
+            vs = measured(stats, run, errors)
             st = measured(status, run, errors)
             st_cli = measured(status_cli, run, errors, repeat=False)
         finally:
             (ctl / "measuring").unlink()
         row = {"decile": k, "steps": d["steps"], "groups": w.get("groups"), "trainable_groups": w.get("trainable"),
                "elapsed_s": round(time.time() - t_start, 1), "window_s": round(d["window_s"], 2),
-               "aggregate_ms": rnd(None if agg is None else agg * 1e3, 1), "pull_p50_ms": rnd(d["pull_p50_ms"]),
+               "aggregate_ms": rnd(None if agg is None else agg * 1e3, 1),
+               "stats_ms": rnd(None if vs is None else vs * 1e3, 1), "pull_p50_ms": rnd(d["pull_p50_ms"]),
                "pull_p99_ms": rnd(d["pull_p99_ms"]), "pull_p50_all_ms": rnd(d["pull_p50_all_ms"]),
                "pull_p99_all_ms": rnd(d["pull_p99_all_ms"]), "quiet_pulls": d["quiet_pulls"],
                "pull_max_ms": rnd(d["pull_max_ms"]),
@@ -598,7 +613,7 @@ def synthetic(base: Path, args, state: dict) -> dict:
                "sampler_cache_mb": rnd(d["cached_mb"], 1), "measure_errors": len(errors)}
         rows.append(row)
         log(f"  {k * 10:3d}%: step {row['steps']:,}, {row['groups'] or 0:,} groups, {row['window_s']:.1f} s "
-            f"this tenth | aggregate {row['aggregate_ms']} ms, pull p50 {row['pull_p50_ms']:.1f} / p99 "
+            f"this tenth | aggregate {row['aggregate_ms']} ms (version_stats {row['stats_ms']} ms), pull p50 {row['pull_p50_ms']:.1f} / p99 "
             f"{row['pull_p99_ms']:.1f} ms, status {row['status_s']} s (CLI {row['status_cli_s']} s) | "
             f"files {row['live_files']} ({row['live_shards']} shards, {row['ledger_files']} ledger) | RSS MiB "
             f"writer {row['writer_rss_mb']}, sampler {row['sampler_rss_mb']}, compactor {row['compactor_rss_mb']}")
@@ -642,6 +657,7 @@ def summarize_synthetic(rows, inv, w, tr, comp, seconds, csv_path) -> dict:
     first, last = rows[0], rows[-1]
     out = {
         "aggregate_ms_first": first["aggregate_ms"], "aggregate_ms_last": last["aggregate_ms"],
+        "stats_ms_first": first["stats_ms"], "stats_ms_last": last["stats_ms"],
         "pull_p50_ms_first": first["pull_p50_ms"], "pull_p50_ms_last": last["pull_p50_ms"],
         "pull_p99_ms_first": first["pull_p99_ms"], "pull_p99_ms_last": last["pull_p99_ms"],
         "pull_p99_all_ms_first": first["pull_p99_all_ms"], "pull_p99_all_ms_last": last["pull_p99_all_ms"],
@@ -660,6 +676,7 @@ def summarize_synthetic(rows, inv, w, tr, comp, seconds, csv_path) -> dict:
     }
     out.update({
         "aggregate_ratio": ratio(out["aggregate_ms_last"], out["aggregate_ms_first"]),
+        "stats_ratio": ratio(out["stats_ms_last"], out["stats_ms_first"]),
         "pull_p50_ratio": ratio(out["pull_p50_ms_last"], out["pull_p50_ms_first"]),
         "pull_p99_ratio": ratio(out["pull_p99_ms_last"], out["pull_p99_ms_first"]),
         "status_ratio": ratio(out["status_s_last"], out["status_s_first"]),
@@ -674,6 +691,7 @@ def summarize_synthetic(rows, inv, w, tr, comp, seconds, csv_path) -> dict:
         "aggregate_le_1s": le(out["aggregate_ms_last"], 1000), "pull_p99_le_250ms": le(out["pull_p99_ms_last"], 250),
         "status_le_1s": le(out["status_s_last"], 1.0), "live_files_le_2000": le(out["live_files_last"], 2000),
         "aggregate_ratio_le_1.5": le(out["aggregate_ratio"], 1.5),
+        "stats_le_1s": le(out["stats_ms_last"], 1000), "stats_ratio_le_1.5": le(out["stats_ratio"], 1.5),
         "pull_p99_ratio_le_1.5": le(out["pull_p99_ratio"], 1.5), "status_ratio_le_1.5": le(out["status_ratio"], 1.5),
         "writer_rss_ratio_le_1.25": le(out["writer_rss_ratio"], 1.25),
         "sampler_rss_ratio_le_1.25": le(out["sampler_rss_ratio"], 1.25),

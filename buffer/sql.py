@@ -12,6 +12,11 @@ Views, rebuilt from the manifest on every query so they follow the daemons:
     archived_rollouts  the columns of rollouts, over the shards retention moved to
                  <buffer>/archive/shards/ (only when there are some; buffer/retention.py):
                  a shard is in exactly one of rollouts and archived_rollouts
+    version_stats  one row per (version, filtered, filter_reason) of rollouts: groups,
+                 completions, reward_sum; built from the shards' footer sums (buffer/stats.py),
+                 so "mean reward by version" costs a footer read per file instead of a scan of
+                 every row: sum(reward_sum) / sum(completions). Made only for a query that
+                 names it; where a footer cannot be used it is the same sums over `rollouts`.
 
 An empty buffer gives empty views, not an error. A user's query cannot change
 anything on disk, by two guards: only SELECT statements (and EXPLAIN of one)
@@ -145,6 +150,40 @@ def offline_connection() -> duckdb.DuckDBPyConnection:
                                               "autoload_known_extensions": False})
 
 
+_STATS_NAME = re.compile(r"\bversion_stats\b", re.IGNORECASE)
+_STATS_COLUMNS = ("version BIGINT, filtered BOOLEAN, filter_reason VARCHAR, groups BIGINT, completions BIGINT, "
+                  "reward_sum DOUBLE")
+# The same sums from the rows, where a footer cannot be used (the query then meets the bad file, which
+# is quarantined and left out, as for any query).
+_STATS_SCAN_SQL = """
+SELECT version, coalesce(filtered, false) AS filtered, filter_reason,
+       count(*) FILTER (WHERE sample_index = 0) AS groups,
+       coalesce(sum(group_size) FILTER (WHERE sample_index = 0), 0) AS completions,
+       coalesce(sum(group_reward_mean * group_size) FILTER (WHERE sample_index = 0), 0) AS reward_sum
+FROM rollouts GROUP BY ALL
+"""
+
+
+def _version_stats(con: duckdb.DuckDBPyConnection, shards: list) -> None:
+    """The version_stats table on `con` (whose rollouts view reads `shards`), from the footers' sums."""
+    from buffer.stats import SHARD_DTYPES, concat, shard_cells
+
+    cells = shard_cells(shards, con) if shards else concat([], SHARD_DTYPES)
+    if cells is None:
+        con.execute(f"CREATE VIEW version_stats AS {_STATS_SCAN_SQL}")
+        return
+    con.register("version_stats_cells", pa.table({
+        "version": pa.array(cells["version"], pa.int64()), "filtered": pa.array(cells["filtered"], pa.bool_()),
+        "filter_reason": pa.array(list(cells["filter_reason"]), pa.string()),
+        "groups": pa.array(cells["groups"], pa.int64()), "completions": pa.array(cells["completions"], pa.int64()),
+        "reward_sum": pa.array(cells["reward_sum"], pa.float64())}))
+    con.execute(f"CREATE TABLE version_stats ({_STATS_COLUMNS})")
+    con.execute("INSERT INTO version_stats SELECT version, filtered, nullif(filter_reason, ''), sum(groups), "
+                "sum(completions), sum(reward_sum) FROM version_stats_cells WHERE groups > 0 GROUP BY 1, 2, 3 "
+                "ORDER BY 1, 2, 3")
+    con.unregister("version_stats_cells")
+
+
 class BufferSQL:
     """Read-only DuckDB views over a buffer or run directory; see module doc."""
 
@@ -182,8 +221,9 @@ class BufferSQL:
         d = self.generator_metrics_dir
         return run_file_set(d, "generator_metrics").live() if d is not None else []
 
-    def connect(self) -> duckdb.DuckDBPyConnection:
-        """A fresh in-memory connection with the views over the current files, locked down."""
+    def connect(self, *, stats: bool = False) -> duckdb.DuckDBPyConnection:
+        """A fresh in-memory connection with the views over the current files, locked down; with
+        `stats`, also the version_stats table (a footer read per shard)."""
         shards, ledger, metrics = self._files()
         archived = self._archived(shards)
         self._listed = shards + ledger + metrics + archived
@@ -212,6 +252,8 @@ class BufferSQL:
         if gen_metrics:
             con.execute("CREATE VIEW generator_metrics AS SELECT * FROM "
                         f"read_parquet({_files_sql(gen_metrics)}, union_by_name = true)")
+        if stats:
+            _version_stats(con, shards)
         con.execute("CREATE TABLE quarantined (file VARCHAR, reason VARCHAR, quarantined_at DOUBLE)")
         q = self.dir.quarantined()
         if q:
@@ -239,7 +281,7 @@ class BufferSQL:
         for _ in range(1000):
             con = None
             try:
-                con = self.connect()  # binding the views reads every footer
+                con = self.connect(stats=_STATS_NAME.search(sql) is not None)  # binding reads every footer
                 rel = con.sql(sql)
                 if rel is None:
                     raise SqlError(f"the query returned nothing to show: {sql.strip()[:80]!r}")

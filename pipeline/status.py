@@ -37,24 +37,14 @@ from pathlib import Path
 import numpy as np
 
 import buffer
-from buffer.fileset import LEDGER_SUMMARY, SHARD_SUMMARY, read_summary, summary_columns
+from buffer.fileset import LEDGER_SUMMARY
 from buffer.layout import BufferDir, find_buffer, ledger_is_merged
 from buffer.retention import archived_shards, newest_in_ledger, read_floor
-from buffer.store import RemotePath, StoreError, read_metadata
+from buffer.stats import Unreadable, concat, footer_cells, shard_cells
+from buffer.store import RemotePath
 
 DEFAULT_MAX_RANGES = 20
 
-# Groups summed per (file, version, filter flag and reason), from each group's first row,
-# with the file's rows: a file whose rows do not add up to its groups' sizes sends status
-# the careful way.
-_CELLS_SQL = """
-SELECT filename, version, coalesce(filtered, false) AS filtered, coalesce(filter_reason, '') AS filter_reason,
-       count(*) FILTER (WHERE sample_index = 0) AS groups,
-       coalesce(sum(group_size) FILTER (WHERE sample_index = 0), 0) AS completions,
-       coalesce(sum(group_reward_mean * group_size) FILTER (WHERE sample_index = 0), 0) AS reward_sum,
-       count(*) AS num_rows
-FROM read_parquet($shards, filename = true) GROUP BY 1, 2, 3, 4
-"""
 # Groups used for the reuse-th time (so consumed for good), per group version.
 _CONSUMED_SQL = ("SELECT group_version, count(*) AS n FROM read_parquet($ledger) "
                  "WHERE use_index = $last AND group_version >= $floor GROUP BY 1")
@@ -87,23 +77,6 @@ class _Rows:
     unreadable: dict[str, str]
 
 
-def _summaries(shards: list[Path]) -> tuple[dict[str, np.ndarray], list[Path]] | None:
-    """The cells (SHARD_SUMMARY columns, each of shape (C,)) of the summaries shards carry in their footers
-    (the writer's and compaction's), and the shards without one, to scan; None: a footer failed to read
-    (the careful path names it)."""
-    parts, scan = [], []
-    try:
-        for p in shards:
-            cols = _footer_cells(p, SHARD_SUMMARY, "completions")
-            if cols is None:
-                scan.append(p)   # an older shard, or one whose summary does not add up: read its rows
-            else:
-                parts.append(cols)
-    except _Unreadable:
-        return None
-    return _concat(parts, _SHARD_DTYPES), scan
-
-
 def _ledger_summaries(ledger: list[Path]) -> tuple[dict[str, np.ndarray], list[Path]] | None:
     """The cells (LEDGER_SUMMARY columns: records per group version and use index) of the summaries merged
     ledger files carry in their footers (buffer.compaction.ledger_summary), and the files without one, to
@@ -111,42 +84,17 @@ def _ledger_summaries(ledger: list[Path]) -> tuple[dict[str, np.ndarray], list[P
     parts, plain = [], []
     try:
         for p in ledger:
-            cols = _footer_cells(p, LEDGER_SUMMARY, "records") if ledger_is_merged(p.name) else None
+            cols = footer_cells(p, LEDGER_SUMMARY, "records") if ledger_is_merged(p.name) else None
             if cols is None:
                 plain.append(p)
             else:
                 parts.append(cols)
-    except _Unreadable:
+    except Unreadable:
         return None
-    return _concat(parts, _LEDGER_DTYPES), plain
+    return concat(parts, _LEDGER_DTYPES), plain
 
 
-class _Unreadable(Exception):
-    """A footer could not be read: the file is gone (merged meanwhile) or damaged."""
-
-
-def _footer_cells(p: Path, names: tuple[str, ...], count: str) -> dict[str, np.ndarray] | None:
-    """The columns of p's footer summary when its `count` column adds up to the file's rows, else None (the
-    caller reads the rows); _Unreadable when the footer cannot be read."""
-    try:
-        meta = read_metadata(p)
-    except StoreError:   # the store unreachable: not a damaged file
-        raise
-    except Exception as e:  # noqa: BLE001 - gone or damaged: the careful path
-        raise _Unreadable(str(p)) from e
-    summary = read_summary(meta)
-    cols = None if summary is None else summary_columns(summary, names)
-    if cols is None or summary["rows"] != meta.num_rows or int(cols[count].sum()) != meta.num_rows:
-        return None
-    return cols
-
-
-_SHARD_DTYPES = dict(zip(SHARD_SUMMARY, (np.int64, np.bool_, object, np.int64, np.int64, np.float64)))
 _LEDGER_DTYPES = dict(zip(LEDGER_SUMMARY, (np.int64, np.int64, np.int64)))
-
-
-def _concat(parts: list[dict[str, np.ndarray]], dtypes: dict) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([np.zeros(0, t)] + [p[k].astype(t) for p in parts]) for k, t in dtypes.items()}
 
 
 def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
@@ -157,22 +105,14 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
     """
     import duckdb
 
-    found = _summaries(shards)
-    if found is None:
-        return None
-    cells, scan = found
     con = buffer.offline_connection()
     remote = next((p for p in shards + ledger if isinstance(p, RemotePath)), None)
     if remote is not None:
         remote.store.register(con)
     try:
-        if scan:
-            read = con.execute(_CELLS_SQL, {"shards": [str(p) for p in scan]}).fetchnumpy()
-            _, file_at = np.unique(read["filename"], return_inverse=True)
-            if not np.array_equal(np.bincount(file_at, weights=read["num_rows"]),
-                                  np.bincount(file_at, weights=read["completions"])):
-                return None   # a file's rows do not add up to its groups: the index names the bad one
-            cells = {k: np.concatenate([cells[k], np.asarray(read[k]).astype(t)]) for k, t in _SHARD_DTYPES.items()}
+        cells = shard_cells(shards, con)
+        if cells is None:
+            return None
         used_v, used_n = np.zeros(0, np.int64), np.zeros(0, np.int64)   # records that used a group up, per version
         if ledger:
             low = -(2 ** 62) if floor is None else floor

@@ -198,7 +198,7 @@ def test_merged_shards_are_counted_from_their_footer_summaries(many_versions, tm
     import shutil
 
     from buffer import BufferDir, compact
-    from pipeline.status import _summaries
+    from buffer.stats import shard_summaries as _summaries
 
     buf, _ = many_versions
     copy = tmp_path / "buffer"
@@ -224,7 +224,7 @@ def test_shards_without_a_summary_are_read_by_rows_to_the_same_counts(many_versi
     import shutil
 
     from buffer import BufferDir
-    from pipeline.status import _summaries
+    from buffer.stats import shard_summaries as _summaries
 
     buf, _ = many_versions
     copy = tmp_path / "buffer"
@@ -237,3 +237,50 @@ def test_shards_without_a_summary_are_read_by_rows_to_the_same_counts(many_versi
     old, new = buffer_status(copy, **args), buffer_status(buf, **args)
     for key in ("groups", "completions", "eligible", "consumed", "filtered", "expired", "by_version"):
         assert old[key] == new[key], key
+
+
+def test_version_stats_gives_the_sums_of_the_rows_from_the_footers(many_versions, tmp_path):
+    """SQL's version_stats (footer sums: c-files, writer shards, and an old shard without a summary read by
+    rows) equals the groups' own sums exactly, and mean reward by version equals the full scan's; a damaged
+    shard is quarantined and left out, as in any query."""
+    import shutil
+
+    from buffer import BufferDir, BufferSQL, compact
+
+    buf, groups = many_versions
+    copy = tmp_path / "buffer"
+    shutil.copytree(buf, copy)
+    compact(copy, target_groups=64, min_age_s=0.0, grace_s=0.0)
+    groups = dict(groups)
+    with ShardWriter(copy, flush_groups=8, flush_seconds=None) as w:    # and new writer shards beside the c-files
+        for i in range(1000, 1040):
+            rewards = _rewards(i)
+            gid = w.append(make_group(VERSIONS[-1] + 2, rewards, prompt_id=f"p{i}", seed=i, tokens=2,
+                                      correct=[r == 1.0 for r in rewards]))
+            groups[gid] = {"version": VERSIONS[-1] + 2, "size": len(rewards), "reward_sum": sum(rewards),
+                           "filtered": max(rewards) == min(rewards)}
+    live = BufferDir(copy).live_shards()
+    plain = [p for p in live if not p.name.startswith("c-")]
+    assert len(plain) >= 3 and len(live) > len(plain)
+    pq.write_table(pq.read_table(plain[0]).replace_schema_metadata(None), plain[0])   # an older writer's shard
+    want: dict = {}
+    for g in groups.values():
+        reason = None if not g["filtered"] else "all_correct" if g["reward_sum"] == g["size"] else "all_wrong"
+        cell = want.setdefault((g["version"], g["filtered"], reason), [0, 0, 0.0])
+        cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + g["size"], cell[2] + g["reward_sum"]
+    db = BufferSQL(copy)
+    got = db.query("SELECT * FROM version_stats ORDER BY version, filtered, filter_reason").to_pylist()
+    assert {(r["version"], r["filtered"], r["filter_reason"]): [r["groups"], r["completions"],
+                                                                 pytest.approx(r["reward_sum"], abs=1e-9)]
+            for r in got} == want
+    scan = db.query("SELECT version, avg(reward) AS r, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1").to_pylist()
+    fast = db.query("SELECT version, sum(reward_sum) / sum(completions) AS r, sum(completions)::BIGINT AS n "
+                    "FROM version_stats GROUP BY 1 ORDER BY 1").to_pylist()
+    assert [(r["version"], r["n"]) for r in fast] == [(r["version"], r["n"]) for r in scan]
+    assert [r["r"] for r in fast] == pytest.approx([r["r"] for r in scan], abs=1e-12)
+    bad = plain[1]
+    lost = pq.read_table(bad).filter(pa.compute.equal(pq.read_table(bad).column("sample_index"), 0)).num_rows
+    bad.write_bytes(b"not parquet")
+    total = db.query("SELECT sum(groups)::BIGINT AS n FROM version_stats").to_pylist()[0]["n"]
+    assert total == len(groups) - lost
+    assert [r["file"] for r in db.query("SELECT file FROM quarantined").to_pylist()] == [bad.name]

@@ -1,0 +1,101 @@
+"""Sums of a buffer's groups per (version, filter flag and reason), mostly without reading a row.
+
+Every shard's footer carries these sums (the writer's shards as a few JSON cells, compaction's
+c-files as a packed table; `buffer.fileset.read_summary`): groups, completions and the sum of their
+rewards. A shard without one (written before summaries existed), or whose sums do not add up to its
+rows, is read instead: one DuckDB scan of each group's first row, summed the same way. `asyncgrpo
+status` counts states from these cells, and SQL's `version_stats` table is built from them, so both
+cost a footer read per file rather than a scan of every row.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from buffer.fileset import SHARD_SUMMARY, read_summary, summary_columns
+from buffer.store import StoreError, read_metadata
+
+FOOTER_THREADS = 8
+SHARD_DTYPES = dict(zip(SHARD_SUMMARY, (np.int64, np.bool_, object, np.int64, np.int64, np.float64)))
+
+# Groups summed per (file, version, filter flag and reason), from each group's first row, with the
+# file's rows: a file whose rows do not add up to its groups' sizes is refused (None).
+CELLS_SQL = """
+SELECT filename, version, coalesce(filtered, false) AS filtered, coalesce(filter_reason, '') AS filter_reason,
+       count(*) FILTER (WHERE sample_index = 0) AS groups,
+       coalesce(sum(group_size) FILTER (WHERE sample_index = 0), 0) AS completions,
+       coalesce(sum(group_reward_mean * group_size) FILTER (WHERE sample_index = 0), 0) AS reward_sum,
+       count(*) AS num_rows
+FROM read_parquet($shards, filename = true) GROUP BY 1, 2, 3, 4
+"""
+
+
+class Unreadable(Exception):
+    """A footer could not be read: the file is gone (merged meanwhile) or damaged."""
+
+
+def footer_cells(p: Path, names: tuple[str, ...], count: str) -> dict[str, np.ndarray] | None:
+    """The columns of p's footer summary when its `count` column adds up to the file's rows, else None (the
+    caller reads the rows); Unreadable when the footer cannot be read."""
+    try:
+        meta = read_metadata(p)
+    except StoreError:   # the store unreachable: not a damaged file
+        raise
+    except Exception as e:  # noqa: BLE001 - gone or damaged: the careful path
+        raise Unreadable(str(p)) from e
+    summary = read_summary(meta)
+    cols = None if summary is None else summary_columns(summary, names)
+    if cols is None or summary["rows"] != meta.num_rows or int(cols[count].sum()) != meta.num_rows:
+        return None
+    return cols
+
+
+def concat(parts: list[dict[str, np.ndarray]], dtypes: dict) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([np.zeros(0, t)] + [p[k].astype(t) for p in parts]) for k, t in dtypes.items()}
+
+
+def shard_summaries(shards: list[Path]) -> tuple[dict[str, np.ndarray], list[Path]] | None:
+    """The cells (SHARD_SUMMARY columns, each of shape (C,)) of the summaries `shards` carry in their
+    footers, and the shards without one, to scan; None: a footer failed to read."""
+    try:
+        found = read_footers(shards, SHARD_SUMMARY, "completions")
+    except Unreadable:
+        return None
+    parts = [cols for cols in found if cols is not None]
+    scan = [p for p, cols in zip(shards, found) if cols is None]   # older, or not adding up: read the rows
+    return concat(parts, SHARD_DTYPES), scan
+
+
+def read_footers(files: list[Path], names: tuple[str, ...], count: str) -> list[dict[str, np.ndarray] | None]:
+    """footer_cells of each file, in order, read by a few threads: a footer read is mostly waiting (the
+    disk, or one request to an object store) and pyarrow parses it without the GIL."""
+    if len(files) < 16:
+        return [footer_cells(p, names, count) for p in files]
+    with ThreadPoolExecutor(FOOTER_THREADS) as pool:
+        return list(pool.map(lambda p: footer_cells(p, names, count), files))
+
+
+def shard_cells(shards: list[Path], con) -> dict[str, np.ndarray] | None:
+    """Every shard's cells: from its footer, or by a scan on the DuckDB connection `con` (which must be
+    able to read the shards); None when a footer or a file cannot be read or a file's rows do not add
+    up to its groups (the careful path then names the bad file)."""
+    import duckdb
+
+    found = shard_summaries(shards)
+    if found is None:
+        return None
+    cells, scan = found
+    if not scan:
+        return cells
+    try:
+        read = con.execute(CELLS_SQL, {"shards": [str(p) for p in scan]}).fetchnumpy()
+    except duckdb.Error:
+        return None
+    _, file_at = np.unique(read["filename"], return_inverse=True)
+    if not np.array_equal(np.bincount(file_at, weights=read["num_rows"]),
+                          np.bincount(file_at, weights=read["completions"])):
+        return None   # a file's rows do not add up to its groups
+    return {k: np.concatenate([cells[k], np.asarray(read[k]).astype(t)]) for k, t in SHARD_DTYPES.items()}
