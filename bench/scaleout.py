@@ -1,7 +1,8 @@
-"""Scale-out benchmark (issue 17): per-rank training memory of DDP against FSDP2, and FSDP's publish time.
+"""Scale-out benchmark (issue 17): per-rank training memory of DDP against FSDP2, FSDP's publish time, and
+the Ray launcher's start-up and shut-down overhead against the local one.
 
     python bench/scaleout.py [--ranks 2] [--layers 8] [--hidden 768] [--intermediate 2048]
-                             [--steps 2] [--seq 64] [--dir /tmp] [--keep]
+                             [--steps 2] [--seq 64] [--launches 3] [--dir /tmp] [--keep]
 
 A Qwen2-style model built from a config with random weights (no download;
 the default shape has about 57M parameters, `params` in the output), saved
@@ -20,6 +21,19 @@ runs this file as a worker (gloo, CPU):
 
 The training loss is plain cross-entropy, not the GRPO objective: the memory
 of parameters, gradients and optimizer state does not depend on the loss.
+
+Launchers (`--launches N` times each, alternating local and ray; 0 skips it):
+`asyncgrpo run configs/default.toml --launcher local|ray` on the embedded tiny
+model (its warm start cached in runs/.cache), 3 trainer steps, 20 evaluation
+prompts. From the command's own output, timed as its lines arrive:
+    startup_s    command start -> "started the trainer ..." (Ray: ray.init of a
+                 local instance, actors placed; local: processes spawned; both
+                 include the accuracy evaluation before training, the same work)
+    run_s        "started ..." -> "stopping ..." (the 3 steps)
+    shutdown_s   "stopping ..." -> exit (daemons stopped, evaluation after, plots;
+                 Ray: the local instance shut down)
+    wall_s       the whole command
+Medians per launcher, and ray - local differences (the overhead).
 Progress goes to stderr; the last line on stdout is one JSON object with
 each figure per strategy (max over ranks) and FSDP / DDP ratios.
 """
@@ -137,6 +151,48 @@ def run_strategy(strategy: str, args, model: Path, base: Path) -> dict:
     return res
 
 
+def run_launcher(kind: str, run: Path) -> dict:
+    """One `asyncgrpo run` with launcher `kind`; seconds to its start, steps, stop and exit."""
+    cmd = [sys.executable, "-m", "pipeline", "run", str(REPO / "configs" / "default.toml"), "--run", str(run), "--force",
+           "--launcher", kind, "--set", "trainer.max_steps=3", "--set", "run.time_limit_s=none",
+           "--set", "run.eval_size=20"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    t0 = time.perf_counter()
+    marks: dict[str, float] = {}
+    lines: list[str] = []
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in p.stdout:
+        lines.append(line)
+        for key, prefix in (("started", "started the trainer"), ("stopping", "stopping (")):
+            if key not in marks and line.startswith(prefix):
+                marks[key] = time.perf_counter() - t0
+    code = p.wait()
+    wall = time.perf_counter() - t0
+    if code != 0 or len(marks) < 2:
+        raise SystemExit(f"asyncgrpo run --launcher {kind} failed ({code}):\n{''.join(lines[-40:])}")
+    return {"startup_s": marks["started"], "run_s": marks["stopping"] - marks["started"],
+            "shutdown_s": wall - marks["stopping"], "wall_s": wall}
+
+
+def compare_launchers(n: int, base: Path) -> dict:
+    """n runs of each launcher, alternating; medians and ray - local."""
+    import statistics
+
+    got: dict[str, list[dict]] = {"local": [], "ray": []}
+    for i in range(n):
+        for kind in ("local", "ray"):
+            r = run_launcher(kind, base / f"launch-{kind}-{i}")
+            log(f"launcher {kind} #{i + 1}: start-up {r['startup_s']:.1f} s, steps {r['run_s']:.1f} s, "
+                f"shut-down {r['shutdown_s']:.1f} s, wall {r['wall_s']:.1f} s")
+            got[kind].append(r)
+    out: dict = {"launches": n}
+    for key in ("startup_s", "run_s", "shutdown_s", "wall_s"):
+        for kind in got:
+            out[f"{kind}_{key}"] = round(statistics.median(r[key] for r in got[kind]), 2)
+        out[f"ray_minus_local_{key}"] = round(out[f"ray_{key}"] - out[f"local_{key}"], 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -145,6 +201,8 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--launches", type=int, default=3,
+                    help="runs of each launcher for the start-up overhead (0 skips that part)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--role", choices=["worker"], help=argparse.SUPPRESS)
@@ -171,6 +229,8 @@ def main() -> None:
             out[f"{s}_publish_s"] = round(r["publish_s"], 3)
         for key in ("params_mb", "grads_mb", "optimizer_mb", "train_state_mb", "peak_rss_mb", "publish_s"):
             out[f"fsdp_over_ddp_{key}"] = round(out[f"fsdp_{key}"] / out[f"ddp_{key}"], 3) if out[f"ddp_{key}"] else None
+        if args.launches > 0:
+            out.update(compare_launchers(args.launches, base))
         out["dir"] = str(base) if args.keep else None
         print(json.dumps(out))
     finally:
