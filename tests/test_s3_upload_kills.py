@@ -8,6 +8,8 @@ there, drops the connection, and checks what readers see and that a restarted pr
                                                             nowhere; a restarted generator appends on
     a process inside UploadPart #2 of a multipart upload   no object; a retry uploads it whole; the
                                                             compactor's sweep aborts the leftover upload
+
+and the hold itself: matched only where a request starts, however its bytes arrive.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +77,48 @@ def _sha256(data: bytes) -> str:
 def _uploads(server, bucket: str) -> list[str]:
     """Keys of the bucket's incomplete multipart uploads."""
     return sorted(u["Key"] for u in server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+
+# -- the relay's hold ---------------------------------------------------------------------------------
+
+def _put(path: str, body: bytes) -> bytes:
+    return f"PUT {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def _response(conn: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head.split(b"\r\n", 1)[0]
+
+
+def test_the_relay_holds_a_request_where_it_starts_however_its_bytes_arrive(s3env, bucket):
+    """A request line inside another request's body is not held; a matching request later on the same
+    kept-alive connection is, its head sent a byte at a time; release drops it, the object never appears."""
+    relay = s3env.relay
+    held_request = _put(f"/{bucket}/held", b"x" * 100)
+    held = relay.hold(rb"^PUT /%s/held " % bucket.encode(), after=len(held_request) - 90)
+    conn = socket.create_connection(("127.0.0.1", relay.port), timeout=10)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        for b in _put(f"/{bucket}/first", held_request):          # its body is a matching request
+            conn.sendall(bytes([b]))
+        assert _response(conn) == b"HTTP/1.1 200 OK" and not held.is_set()
+        for b in held_request:
+            conn.sendall(bytes([b]))
+        assert held.wait(10)
+        relay.release()
+        try:
+            assert conn.recv(65536) == b""                         # dropped, with no answer
+        except ConnectionResetError:
+            pass
+    client = s3env.client()
+    assert client.get_object(Bucket=bucket, Key="first")["Body"].read() == held_request
+    assert [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])] == ["first"]
 
 
 # -- the trainer, inside its weights upload --------------------------------------------------------
