@@ -55,7 +55,17 @@ def _env(server, **extra) -> dict:
 
 
 def _start(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    with log.open("w") as out:
+        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> int:
+    """proc's exit status; killed if it is still running after `timeout` s (the test then fails on it)."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def _kill_when_held(proc: subprocess.Popen, held, log: Path, relay) -> None:
@@ -64,7 +74,9 @@ def _kill_when_held(proc: subprocess.Popen, held, log: Path, relay) -> None:
     deadline = time.monotonic() + HELD_S
     while not held.wait(0.1):
         assert proc.poll() is None, f"exited {proc.returncode} before the hold:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no upload reached the hold in {HELD_S} s:\n{log.read_text()[-4000:]}"
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no upload reached the hold in {HELD_S} s:\n{log.read_text()[-4000:]}")
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(30) == -signal.SIGKILL
     relay.release()
@@ -159,7 +171,7 @@ def test_a_trainer_killed_inside_its_weights_upload_publishes_nothing_and_resume
             time.sleep(0.2)
     finally:
         second.send_signal(signal.SIGTERM)
-        rc = second.wait(60)
+        rc = _wait(second, 60)
     assert rc == 0, (tmp_path / "second.log").read_text()[-4000:]
     # A new store: this one listed weights/v00000000/ before COMPLETE.json was there, and s3fs's cat_file
     # asks the size of what it reads from that cached listing (FileNotFoundError).
@@ -218,7 +230,7 @@ def test_a_generator_killed_inside_a_shard_upload_loses_no_flushed_group(s3env, 
     assert [p.name for p in spool.iterdir()] != []                    # the killed upload's spool file
 
     second = _generator(url, env, tmp_path / "second.log", *GEN_SETS, "generator.max_groups=8")
-    assert second.wait(120) == 0, (tmp_path / "second.log").read_text()[-4000:]
+    assert _wait(second, 120) == 0, (tmp_path / "second.log").read_text()[-4000:]
     groups = _groups(url)
     assert len(groups) == 2 and groups[writer] == 8 and sum(groups.values()) == 16, groups
     n = BufferSQL(url).query("SELECT count(*) n, count(DISTINCT group_id) g FROM rollouts").to_pylist()[0]
@@ -236,7 +248,9 @@ open_store(sys.argv[1]).upload(sys.argv[2], Path(sys.argv[3]))
 """
 
 
-def test_a_kill_inside_a_multipart_upload_leaves_no_object_and_the_sweep_aborts_it(s3env, bucket, tmp_path):
+def test_a_kill_inside_a_multipart_upload_leaves_no_object_and_the_sweep_aborts_it(s3env, bucket, tmp_path,
+                                                                                   monkeypatch):
+    import workers.compactor
     from workers.compactor import CompactorConfig, run_compactor
     from workers.stop import StopFlag
 
@@ -263,7 +277,8 @@ def test_a_kill_inside_a_multipart_upload_leaves_no_object_and_the_sweep_aborts_
     assert _sha256(run.read(name)) == _sha256(big.read_bytes())
     assert _uploads(s3env, bucket) == [f"run/{name}"]          # still the killed one alone
 
-    # The compactor's housekeeping (moto dates every upload 2010, so any age bound passes; 0 says it).
+    # The compactor's housekeeping, with no age bound (moto dates every upload 2010-11-10 anyway).
+    monkeypatch.setattr(workers.compactor, "STALE_UPLOAD_S", 0.0)
     stop = StopFlag(install_signals=False)
     stop.wait = lambda _s: stop.set()                             # one pass
     cfg = CompactorConfig(every_s=1.0, min_free_gb=None)
