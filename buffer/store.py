@@ -370,7 +370,47 @@ class FsspecStore(Store):
         self._retry("delete", rm)
 
     def upload(self, name: str, local: Path) -> None:
-        self._retry("upload", lambda: self.fs.put_file(str(local), self._key(name)))
+        """One PUT for a file under two parts, else a multipart upload (S3: parts of
+        $ASYNCGRPO_STORE_PART_MB MiB, default 50 as s3fs's, at least 5, S3's smallest part). Either way
+        the object appears only whole; a process killed inside a multipart upload leaves its parts
+        stored (and billed) under no name, until `abort_incomplete_uploads` (the compactor's hourly
+        housekeeping) removes them."""
+        kw = {}
+        if self.scheme == "s3":
+            raw = os.environ.get("ASYNCGRPO_STORE_PART_MB", "50")
+            try:
+                part_mb = float(raw)
+            except ValueError:
+                part_mb = -1.0
+            if not part_mb >= 5:
+                raise StoreError(f"ASYNCGRPO_STORE_PART_MB={raw!r}: must be a number of MiB >= 5 "
+                                 f"(S3's smallest part)")
+            # S3 takes at most 10,000 parts: a larger file gets larger parts.
+            kw["chunksize"] = max(int(part_mb * 2**20), -(-local.stat().st_size // 10_000))
+        self._retry("upload", lambda: self.fs.put_file(str(local), self._key(name), **kw))
+
+    def abort_incomplete_uploads(self, older_than_s: float) -> list[str]:
+        """Abort the multipart uploads under this root started at least `older_than_s` ago (by the store's
+        clock against this machine's) and never completed: a process killed inside `upload`. Returns their
+        keys. One in progress is younger than that: a bound of hours spares it."""
+        if self.scheme != "s3":
+            return []
+        prefix = self.root.split("/", 1)[1] + "/" if "/" in self.root else ""
+        query, aborted, now = {"Bucket": self.bucket, "Prefix": prefix}, [], time.time()
+        while True:
+            page = self._retry("list", lambda: self.fs.call_s3("list_multipart_uploads", **query))
+            for u in page.get("Uploads", []):
+                if now - _mtime({"LastModified": u["Initiated"]}) < older_than_s:
+                    continue
+                try:
+                    self._retry("abort", lambda u=u: self.fs.call_s3(
+                        "abort_multipart_upload", Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]))
+                except FileNotFoundError:
+                    continue        # completed or aborted by another process meanwhile
+                aborted.append(u["Key"])
+            if not page.get("IsTruncated"):
+                return aborted
+            query.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
 
     def download(self, name: str, local: Path) -> None:
         self._retry("download", lambda: self.fs.get_file(self._key(name), str(local)))

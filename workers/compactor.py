@@ -21,6 +21,9 @@ The compactor keeps the live file count bounded:
                 that listed them can still read them until then)
         DiskWatch: warn when the run directory nears disk_budget_gb, or its disk
             has less than min_free_gb free (each at most every 10 minutes)
+        on an object store, at most every hour: abort the run's multipart uploads
+            older than STALE_UPLOAD_S (a process killed inside a large upload
+            leaves its parts stored and billed under no name)
         wait every_s
 
 Each set works under its lock and through its manifest (buffer/fileset.py),
@@ -118,6 +121,10 @@ KINDS = ("shards", "ledger", "metrics", "generator_metrics")
 GB = 1e9
 DISK_WARN_EVERY_S = 600.0      # each disk warning at most this often
 BUDGET_SHARE = 0.9             # warn above this share of compactor.disk_budget_gb
+SWEEP_EVERY_S = 3600.0         # abort_stale_uploads at most this often
+STALE_UPLOAD_S = 6 * 3600.0
+"""A multipart upload older than this was left by a killed process: the largest upload of a run (a
+c-file, a model's weights) takes minutes, and one in progress must never be aborted."""
 _CHECKPOINT = re.compile(r"^step-(\d+)\.(pt|dcp)$")   # workers/trainer/checkpoint.py's names (it imports torch)
 
 
@@ -263,6 +270,19 @@ def _advice(cfg: CompactorConfig) -> str:
     return "lower compactor.keep_versions, or free space"
 
 
+def abort_stale_uploads(run_dir: str | os.PathLike, older_than_s: float | None = None) -> list[str]:
+    """Abort the run's incomplete multipart uploads older than `older_than_s` (default STALE_UPLOAD_S);
+    the keys they were for. A local run has none."""
+    run = as_path(run_dir)
+    if not isinstance(run, RemotePath):
+        return []
+    aborted = run.store.abort_incomplete_uploads(STALE_UPLOAD_S if older_than_s is None else older_than_s)
+    if aborted:
+        log.info("aborted %d incomplete multipart uploads left by killed processes: %s", len(aborted),
+                 ", ".join(aborted[:5]) + (" ..." if len(aborted) > 5 else ""))
+    return aborted
+
+
 def live_files(run_dir: str | os.PathLike) -> dict[str, int]:
     """Live files of each kind (KINDS) in a run: what every reader lists."""
     run = as_path(run_dir)
@@ -284,13 +304,14 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
         with StopFlag() as own:
             return run_compactor(run_dir, cfg, own)
     totals = {"passes": 0, "merged_files": 0, "written_files": 0, "deleted_files": 0, "groups": 0,
-              "quarantined": 0, "retired_files": 0, "retired_groups": 0, "seconds": 0.0}
+              "quarantined": 0, "retired_files": 0, "retired_groups": 0, "aborted_uploads": 0, "seconds": 0.0}
     log.info("compacting %s every %.0f s (files older than %.0f s; %d groups a shard, %d rows a ledger/metrics "
              "file)", run_dir, cfg.every_s, cfg.min_age_s, cfg.target_groups, cfg.target_rows)
     if cfg.keep_versions is not None:
         log.info("retention: shards more than %d versions behind the trainer's oldest checkpoint are %s",
                  cfg.keep_versions, "archived to buffer/archive/shards/" if cfg.retention == "archive" else "deleted")
     disk = DiskWatch()
+    swept = None       # when abort_stale_uploads last ran (monotonic)
     while not stop:
         t0 = time.perf_counter()
         reports = compact_run(run_dir, cfg)
@@ -317,5 +338,11 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
             log.info("pass in %.2f s: %s; live files %s; rss %.0f MiB", took, "; ".join(parts), live_files(run_dir),
                      rss_mb())
         disk.check(run_dir, cfg)
+        if swept is None or time.monotonic() - swept >= SWEEP_EVERY_S:
+            try:
+                totals["aborted_uploads"] += len(abort_stale_uploads(run_dir))
+            except Exception as e:  # noqa: BLE001 - housekeeping: the next sweep tries again
+                log.warning("could not abort stale multipart uploads of %s: %s", run_dir, e)
+            swept = time.monotonic()
         stop.wait(cfg.every_s)
     return totals
