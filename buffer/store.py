@@ -319,7 +319,12 @@ class FsspecStore(Store):
                 delay = min(delay * 2, 5.0)
 
     def read(self, name: str) -> bytes:
-        return self._retry("read", lambda: self.fs.cat_file(self._key(name)))
+        def get():
+            # s3fs sizes the object from its listing cache: an object created after this instance listed
+            # its folder would read as missing
+            self.fs.invalidate_cache(self._key(name))
+            return self.fs.cat_file(self._key(name))
+        return self._retry("read", get)
 
     def _ls(self, folder: str) -> list[dict]:
         """fs.ls of `folder` from the store itself (no listing cache), with retries; [] if it is empty."""
@@ -390,13 +395,13 @@ class FsspecStore(Store):
         self._retry("upload", lambda: self.fs.put_file(str(local), self._key(name), **kw))
 
     def abort_incomplete_uploads(self, older_than_s: float) -> list[str]:
-        """Abort the multipart uploads under this root started at least `older_than_s` ago (by the store's
-        clock against this machine's) and never completed: a process killed inside `upload`. Returns their
-        keys. One in progress is younger than that: a bound of hours spares it."""
+        """Abort the multipart uploads under this root started at least `older_than_s` ago (both times by
+        the store's clock) and never completed: a process killed inside `upload`. Returns their keys. One
+        in progress is younger than that: a bound of hours spares it."""
         if self.scheme != "s3":
             return []
         prefix = self.root.split("/", 1)[1] + "/" if "/" in self.root else ""
-        query, aborted, now = {"Bucket": self.bucket, "Prefix": prefix}, [], time.time()
+        query, aborted, now = {"Bucket": self.bucket, "Prefix": prefix}, [], self.now()
         while True:
             page = self._retry("list", lambda: self.fs.call_s3("list_multipart_uploads", **query))
             for u in page.get("Uploads", []):
