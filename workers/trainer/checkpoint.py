@@ -19,7 +19,6 @@ import os
 import random
 import re
 import shutil
-import threading
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 
 from buffer.atomic import fsync_dir
 from buffer.layout import atomic_file
+from workers.trainer.background import Background
 
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d+)\.(pt|dcp)$")
@@ -240,8 +240,7 @@ class RemoteCheckpoints:
         self.folders = CompleteFolders(run.store, (run / "checkpoints").key)
         self.where = f"{run}/checkpoints"
         self.keep = keep
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._job = Background()
 
     def steps(self) -> list[tuple[int, str]]:
         """(step, folder name) of every complete checkpoint on the store, ascending."""
@@ -251,26 +250,18 @@ class RemoteCheckpoints:
     def upload(self, path: Path) -> None:
         """Start uploading the local checkpoint `path` (file or .dcp folder), then prune the store."""
         self.wait()
-        self._thread = threading.Thread(target=self._run, args=(Path(path),), name=f"upload-{Path(path).name}",
-                                        daemon=True)
-        self._thread.start()
+        self._job.start(lambda: self._run(Path(path)), f"upload-{Path(path).name}")
 
     def _run(self, path: Path) -> None:
-        try:
-            files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-            self.folders.put(path.name, files)
-            for _, sub in self.steps()[:-self.keep]:
-                self.folders.withdraw(sub)
-        except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread by wait()
-            self._error = e
+        files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        self.folders.put(path.name, files)
+        for _, sub in self.steps()[:-self.keep]:
+            self.folders.withdraw(sub)
 
     def wait(self) -> None:
         """Until the upload in flight is done; raises its error, if any."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
+        error = self._job.join()
+        if error is not None:
             raise RuntimeError(f"uploading a checkpoint to {self.where} failed: {error}") from error
 
     def fetch_newer(self, root: Path) -> Path | None:

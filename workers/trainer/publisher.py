@@ -16,13 +16,13 @@ full copy of the weights, and only while a version is being published.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 from buffer.layout import StorageError
+from workers.trainer.background import Background
 from workers.weights import WeightStore
 
 
@@ -38,8 +38,7 @@ class Publisher:
         self.shadow = load_model(model_folder, dtype="float32", device="cpu")
         if gathered:
             self.shadow.to("meta")   # holds no weights between publications
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._job = Background()
         self.last_seconds = 0.0   # how long the last publication took, start to LATEST
 
     def publish(self, state: dict[str, torch.Tensor], version: int, info: dict | None = None, *,
@@ -55,12 +54,11 @@ class Publisher:
             self.shadow.load_state_dict(state, assign=self.gathered)
         if self.gathered and getattr(self.shadow.config, "tie_word_embeddings", False):
             self.shadow.tie_weights()   # assign replaced the tied tensor by two equal ones
+        job = lambda: self._run(version, info)  # noqa: E731
         if self.background and not wait:
-            self._thread = threading.Thread(target=self._run, args=(version, info), name=f"publish-v{version}",
-                                            daemon=True)
-            self._thread.start()
+            self._job.start(job, f"publish-v{version}")
         else:
-            self._run(version, info)
+            self._job.run(job)
             self.wait()
         return time.perf_counter() - t0
 
@@ -71,17 +69,13 @@ class Publisher:
             self.store.prune(self.keep)
             if self.gathered:
                 self.shadow.to("meta")
-        except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread by wait()
-            self._error = e
-        self.last_seconds = time.perf_counter() - t0
+        finally:
+            self.last_seconds = time.perf_counter() - t0
 
     def wait(self) -> None:
         """Until the publication in flight is done; raises its error, if any."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
+        error = self._job.join()
+        if error is not None:
             if isinstance(error, StorageError):
                 raise error  # already names the folder and what to do; LATEST is unchanged
             raise RuntimeError(f"publishing weights to {self.store.root} failed: {error}") from error
