@@ -276,18 +276,10 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: i
     try:
         with atomic_file(d.tmp, d.shards / out_name) as f:
             for p in batch:
-                try:
-                    pf = parquet_file(p, page_checksum_verification=True)
-                    parts = [pf.read_row_group(i) for i in range(pf.metadata.num_row_groups)]
-                except StoreError:   # the store unreachable: not a damaged file
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    d.quarantine(p, f"unreadable during compaction: {type(e).__name__}: {e}")
-                    if writer is not None:
-                        writer.close()
-                    raise _Abort from e
-                sources.append([p.name, sum(t.num_rows for t in parts)])
-                for t in parts:  # whole groups each: cutting between them keeps every group in one row group
+                rows = 0
+                for t in _row_groups(d, p, lambda: writer):   # one at a time: memory is a row group, not a file
+                    # whole groups each: cutting between them keeps every group in one row group
+                    rows += t.num_rows
                     n = pc.count_distinct(t.column("group_id")).as_py()
                     pending.append(t.replace_schema_metadata(None))
                     firsts.append(t.filter(pc.equal(t.column("sample_index"), 0)).select(list(_SUMMARY_COLUMNS)))
@@ -296,6 +288,7 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: i
                     groups += n
                     if pending_groups >= C_ROW_GROUP_GROUPS and pending_bytes >= rg_bytes:
                         write_pending()
+                sources.append([p.name, rows])
             if pending:
                 write_pending()
             if writer is None:   # sources without rows: nothing to merge
@@ -307,6 +300,22 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: i
     except _Abort:  # atomic_file removed the temp file; nothing became visible
         return None
     return groups
+
+
+def _row_groups(d: BufferDir, p: Path, writer):
+    """The row groups of shard `p`, read one at a time with page checksums; a damaged one quarantines `p`
+    and aborts the merge (`writer()`: the output's writer, closed first; atomic_file then removes it)."""
+    try:
+        pf = parquet_file(p, page_checksum_verification=True)
+        for i in range(pf.metadata.num_row_groups):
+            yield pf.read_row_group(i)
+    except StoreError:   # the store unreachable: not a damaged file
+        raise
+    except Exception as e:  # noqa: BLE001
+        d.quarantine(p, f"unreadable during compaction: {type(e).__name__}: {e}")
+        if writer() is not None:
+            writer().close()
+        raise _Abort from e
 
 
 def _summary(firsts: list[pa.Table], num_rows: int) -> dict:

@@ -105,3 +105,30 @@ def test_index_follows_compaction_and_keeps_consumption(buf):
     assert c.startswith("c-") and pq.read_metadata(buf / "shards" / c).num_row_groups == 1   # 8 groups: one row group (C_ROW_GROUP_GROUPS)
     assert GroupIndex(buf).counts(0, None)["consumed"] == 8
 
+
+
+def test_a_damaged_page_found_while_merging_aborts_the_merge_and_quarantines_only_that_shard(buf):
+    """A shard whose footer reads but whose data page is damaged: compaction reads it row group by row
+    group, meets the damage part-way through writing the c-file, quarantines that shard, and leaves no
+    c-file and no temp file; the next pass merges the others, every group once."""
+    w, ids = _fill(buf, 8, flush_groups=2, tokens=64)
+    bad = w.shards_written[2]
+    lost = set(pq.read_table(bad).column("group_id").to_pylist())
+    data = bytearray(bad.read_bytes())
+    meta = pq.read_metadata(bad)
+    start = meta.row_group(0).column(0).data_page_offset
+    for i in range(start + 20, start + 60):       # inside the first column's data page; the footer is intact
+        data[i] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    pq.read_metadata(bad)
+    r = compact(buf, target_groups=64, min_age_s=0.0, grace_s=0.0)
+    assert r.written_files == 0 and r.groups == 0
+    assert not bad.exists() and (buf / "quarantine" / bad.name).exists()
+    reason = json.loads((buf / "quarantine" / f"{bad.name}.reason.json").read_text())
+    assert "unreadable during compaction" in reason["reason"]
+    assert list((buf / "tmp").iterdir()) == [] and not list((buf / "shards").glob("c-*"))
+    r = compact(buf, target_groups=64, min_age_s=0.0, grace_s=0.0)
+    assert r.written_files == 1 and r.groups == 6
+    got = BufferSQL(buf).query("SELECT group_id, count(*) AS n FROM rollouts GROUP BY 1").to_pylist()
+    assert {g["group_id"] for g in got} == set(ids) - lost and len(lost) == 2
+    assert all(g["n"] == 4 for g in got)
