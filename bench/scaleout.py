@@ -2,7 +2,7 @@
 the Ray launcher's start-up and shut-down overhead against the local one.
 
     python bench/scaleout.py [--ranks 2] [--layers 8] [--hidden 768] [--intermediate 2048]
-                             [--steps 2] [--seq 64] [--launches 3] [--dir /tmp] [--keep]
+                             [--steps 2] [--seq 64] [--launches 3] [--no-memory] [--dir /tmp] [--keep]
 
 A Qwen2-style model built from a config with random weights (no download;
 the default shape has about 57M parameters, `params` in the output), saved
@@ -203,6 +203,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--launches", type=int, default=3,
                     help="runs of each launcher for the start-up overhead (0 skips that part)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the DDP/FSDP memory part (launchers only)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--role", choices=["worker"], help=argparse.SUPPRESS)
@@ -220,14 +221,17 @@ def main() -> None:
         spec = TinyModelSpec(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
                              num_attention_heads=12 if args.hidden % 12 == 0 else 8,
                              num_key_value_heads=12 if args.hidden % 12 == 0 else 8)
-        model = init_model(base / "model", seed=0, spec=spec)
-        res = {s: run_strategy(s, args, model, base) for s in ("ddp", "fsdp")}
-        out: dict = {"params": res["fsdp"]["params"], "ranks": args.ranks, "steps": args.steps}
+        out: dict = {"ranks": args.ranks, "steps": args.steps}
+        res = {}
+        if not args.no_memory:
+            model = init_model(base / "model", seed=0, spec=spec)
+            res = {s: run_strategy(s, args, model, base) for s in ("ddp", "fsdp")}
+            out["params"] = res["fsdp"]["params"]
         for s, r in res.items():
             for key in ("params_mb", "grads_mb", "optimizer_mb", "train_state_mb", "peak_rss_mb", "step_s"):
                 out[f"{s}_{key}"] = round(max(row[key] for row in r["ranks"]), 3)
             out[f"{s}_publish_s"] = round(r["publish_s"], 3)
-        for key in ("params_mb", "grads_mb", "optimizer_mb", "train_state_mb", "peak_rss_mb", "publish_s"):
+        for key in ("params_mb", "grads_mb", "optimizer_mb", "train_state_mb", "peak_rss_mb", "publish_s") if res else ():
             out[f"fsdp_over_ddp_{key}"] = round(out[f"fsdp_{key}"] / out[f"ddp_{key}"], 3) if out[f"ddp_{key}"] else None
         if args.launches > 0:
             out.update(compare_launchers(args.launches, base))
