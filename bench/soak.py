@@ -787,6 +787,8 @@ def real(base: Path, args, state: dict) -> dict:
                 errors.append(f"status: {type(e).__name__}: {e}")
             _, agg = _safe_query(run, AGGREGATE_SQL, errors)
             row["aggregate_ms"] = rnd(agg * 1e3, 1)
+            _, vs = _safe_query(run, STATS_SQL, errors)
+            row["stats_ms"] = rnd(vs * 1e3, 1)
         row["status_s"] = rnd(st)
         row["query_errors"] = len(errors)
         if row["metrics_files"]:
@@ -864,6 +866,7 @@ def summarize_real(rows, inv, errors, status_errors, plot, csv_path) -> dict:
     out.update({
         "status_s_max": max(col("status_s", rows), default=None),
         "aggregate_ms_max": max(col("aggregate_ms", rows), default=None),
+        "stats_ms_max": max(col("stats_ms", rows), default=None),
         "query_errors": len(errors), "status_errors": status_errors, "first_errors": errors[:3],
         "trained_twice": inv["trained_twice"], "lost": inv["lost"],
         "max_staleness_consumed": inv["max_staleness_consumed"],
