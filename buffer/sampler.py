@@ -277,26 +277,25 @@ class Sampler:
         if missing:
             try:
                 pf = parquet_file(path, page_checksum_verification=True)
-                t = pf.read_row_groups(missing)
+                # One read per row group: each cached part then owns its buffers, so dropping it frees
+                # them. Slices of one multi-row-group read share buffers that live while any slice is
+                # cached, and count only their own rows: the cache held ~2x its bound that way.
+                parts = [(r, pf.read_row_group(r)) for r in missing]
             except StoreError:   # the store unreachable: not a damaged file
                 raise
             except Exception as e:  # noqa: BLE001 - FileNotFound (deleted) or corrupt data pages
                 self.index.mark_unreadable(path, f"unreadable during pull: {type(e).__name__}: {e}")
                 return None
-            start = 0
-            for r in missing:
-                n = pf.metadata.row_group(r).num_rows
-                part = t.slice(start, n)
+            for r, part in parts:
                 cache[(key, r)] = part
-                self._cache_bytes += part.nbytes
-                start += n
+                self._cache_bytes += part.get_total_buffer_size()
         out = []
         for r in rgs:
             part = cache.pop((key, r))
             cache[(key, r)] = part   # most recently used last
             out.append(part)
         while self._cache_bytes > self.cache_bytes and cache:
-            self._cache_bytes -= cache.pop(next(iter(cache))).nbytes
+            self._cache_bytes -= cache.pop(next(iter(cache))).get_total_buffer_size()
         return out
 
     def _next_seq(self, step: int) -> int:

@@ -278,3 +278,31 @@ def test_cache_bytes_must_not_be_negative(buf):
     _fill(buf, [0])
     with pytest.raises(BufferError, match=r"cache_bytes must be >= 0 \(0: no cache\), got -1"):
         Sampler(buf, cache_bytes=-1)
+
+
+def test_the_cache_holds_no_more_memory_than_its_bound(tmp_path, monkeypatch):
+    """Row groups of one c-file are cached as separate reads: the distinct buffers the cache keeps alive
+    add up to at most cache_bytes (slices of one multi-row-group read kept every sibling's rows alive)."""
+    from buffer import compact
+
+    buf = tmp_path / "b"
+    _fill(buf, [i // 4 for i in range(200)], flush_groups=4)
+    monkeypatch.setattr("buffer.compaction.C_ROW_GROUP_GROUPS", 8)     # a c-file of 25 row groups
+    compact(buf, target_groups=256, min_age_s=0.0, grace_s=0.0)
+    import pyarrow.parquet as pq
+
+    (cfile,) = (buf / "shards").glob("c-*.parquet")
+    pf = pq.ParquetFile(cfile)
+    assert pf.metadata.num_row_groups >= 4
+    budget = int(2.5 * pf.read_row_group(0).get_total_buffer_size())
+    with Sampler(buf, order="uniform", seed=3, cache_bytes=budget) as s:
+        for step in range(20):
+            assert s.pull(6, trainer_version=60, trainer_step=step + 1, max_staleness=None) is not None
+            held = {}
+            for part in s._cache.values():
+                for col in part.columns:
+                    for chunk in col.chunks:
+                        for b in chunk.buffers():
+                            if b is not None:
+                                held[b.address] = b.size
+            assert 0 < sum(held.values()) <= budget, (step, sum(held.values()), s.cached_bytes)
