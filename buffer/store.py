@@ -454,16 +454,20 @@ class FsspecStore(Store):
         return out
 
     def now(self) -> float:
-        """The server's clock, from the Date header of a HEAD of the bucket (1 s resolution, as the
-        LastModified times it is compared with); this machine's clock where the filesystem has no S3 call."""
+        """The server's clock, from the Date header of a one-key listing under this root (1 s resolution,
+        as the LastModified times it is compared with; a listing under the prefix is what credentials
+        scoped to the run's prefix allow, unlike a HEAD of the bucket); this machine's clock where the
+        filesystem has no S3 call."""
         call = getattr(self.fs, "call_s3", None)
         if call is None:
             return time.time()
+        prefix = self.root.split("/", 1)[1] + "/" if "/" in self.root else ""
 
-        def head():
-            date = call("head_bucket", Bucket=self.bucket).get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        def ask():
+            got = call("list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=1)
+            date = got.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
             return email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
-        return self._retry("read", head)
+        return self._retry("read", ask)
 
     def check(self) -> None:
         probe = f".check-{uuid.uuid4().hex[:8]}"

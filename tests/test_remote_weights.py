@@ -224,3 +224,35 @@ def test_a_trainer_on_another_machine_restores_its_version_from_the_store(run, m
         assert (second.folder(3) / p.name).read_bytes() == p.read_bytes()
     second.sync(3)
     assert second.remote.latest() == 3 and second.is_complete(3)
+
+
+def test_a_resume_takes_the_stores_checkpoint_when_the_local_copy_is_damaged(run, tmp_path):
+    """The newest local checkpoint is damaged and the store holds it whole: the resume sets the local copy
+    aside and downloads the store's (rather than going back to an older local one and withdrawing the good
+    copy); a folder an upload left without COMPLETE.json is withdrawn once a newer checkpoint is complete."""
+    from buffer.store import RemotePath
+    from workers.trainer import config_from_dict
+    from workers.trainer.checkpoint import RemoteCheckpoints, list_checkpoints, save_checkpoint
+    from workers.trainer.session import _newest_readable_checkpoint, _prefer_the_store
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    here = tmp_path / "here"
+    mirror = RemoteCheckpoints(RemotePath(run, ""), keep=3)
+    half = tmp_path / "half"
+    half.write_bytes(b"half an upload")
+    run.upload("checkpoints/step-000000007.pt/step-000000007.pt", half)     # killed before COMPLETE.json
+    for step in (5, 10):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        mirror.upload(save_checkpoint(here, step=step, version=step, model=model, optimizer=opt, kl_state={},
+                                      config=config_from_dict({}), keep=3))
+    assert mirror.wait() and [s for s, _ in mirror.steps()] == [5, 10]
+    assert "step-000000007.pt" not in run.list_folders("checkpoints")
+    (here / "step-000000010.pt").write_bytes(b"damaged on disk")
+    state = _newest_readable_checkpoint(here, list_checkpoints(here))
+    assert state["step"] == 5 and (here / "damaged" / "step-000000010.pt").exists()
+    state = _prefer_the_store(mirror, here, state)
+    assert state["step"] == 10 and state["path"] == here / "step-000000010.pt"
+    assert torch.equal(state["model"]["weight"], torch.full((2, 3), 10.0))
+    assert [s for s, _ in mirror.steps()] == [5, 10]

@@ -160,12 +160,18 @@ def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict:
 
 
 def oldest_checkpoint_step(run_dir: str | os.PathLike) -> int | None:
-    """Step of the oldest trainer checkpoint in <run>/checkpoints/ (names only); None without one."""
+    """Step of the oldest trainer checkpoint in <run>/checkpoints/ (names only); None without one. For a
+    run on an object store, of those on this machine and those on the store (a resume may take either)."""
+    run = as_path(run_dir)
     try:
-        names = os.listdir(work_dir(as_path(run_dir)) / "checkpoints")
+        names = os.listdir(work_dir(run) / "checkpoints")
     except FileNotFoundError:
-        return None
+        names = []
     steps = [int(m.group(1)) for n in names if (m := _CHECKPOINT.match(n))]
+    if isinstance(run, RemotePath):
+        from workers.trainer.checkpoint import RemoteCheckpoints
+
+        steps += [step for step, _ in RemoteCheckpoints(run).steps()]
     return min(steps, default=None)
 
 

@@ -293,7 +293,7 @@ class WeightCache:
         try:
             return self.remote.fetch(version)
         except (WeightsError, FileNotFoundError):
-            return self.remote.cache / version_name(version)
+            return self.remote.cache / "tmp" / f"missing-{version_name(version)}"   # never a folder
 
 
 class MirroredWeightStore(WeightStore):

@@ -60,7 +60,9 @@ class Relay:
         rb"^PUT /bucket/run/weights/v00000000/model\\.safetensors ") is forwarded for its first `after`
         bytes only (counted from the start of its request line), then its connection stalls: the server
         waits for the rest, the client for an answer. Returns the event set when a request stalls.
-        Every matching request stalls (a client's retry too) until `release()`."""
+        Every matching request stalls (a client's retry too) until `release()`; a new hold releases
+        the last one first."""
+        self.release()
         self._hold = _Hold(pattern, after)
         return self._hold.reached
 

@@ -15,6 +15,7 @@ ranks and with either strategy (DCP reshards), including one process.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -29,6 +30,8 @@ import torch
 from buffer.atomic import fsync_dir
 from buffer.layout import atomic_file
 from workers.trainer.background import Background
+
+log = logging.getLogger("asyncgrpo.trainer")
 
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d+)\.(pt|dcp)$")
@@ -231,8 +234,11 @@ class RemoteCheckpoints:
     Each checkpoint is a folder on the store, `step-000000012.pt/` or `step-000000012.dcp/`, holding the
     checkpoint's file (or the .dcp folder's files) and, written last, COMPLETE.json with every file's
     size and SHA-256: a checkpoint whose upload was killed is never downloaded. Uploads run in a
-    background thread, one at a time (the next checkpoint waits for the last); an error is raised by the
-    next call. The store keeps the `keep` newest complete checkpoints."""
+    background thread, one at a time: the trainer waits for the last before writing the next checkpoint
+    (whose local prune may delete the one being uploaded). A failed upload is logged and training goes
+    on: the local checkpoint is whole, and the next one is uploaded as usual. The store keeps the `keep`
+    newest complete checkpoints; folders an upload left without COMPLETE.json are withdrawn once a newer
+    checkpoint is complete."""
 
     def __init__(self, run, *, keep: int = 2):
         from workers.remote_weights import CompleteFolders
@@ -255,23 +261,39 @@ class RemoteCheckpoints:
     def _run(self, path: Path) -> None:
         files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
         self.folders.put(path.name, files)
-        for _, sub in self.steps()[:-self.keep]:
+        complete = self.steps()
+        for _, sub in complete[:-self.keep]:
             self.folders.withdraw(sub)
+        done = {sub for _, sub in complete}
+        for sub in self.folders.subfolders():   # a killed or failed upload's files: never complete now
+            m = _NAME.match(sub)
+            if m and sub not in done and int(m.group(1)) < complete[-1][0]:
+                self.folders.withdraw(sub)
 
-    def wait(self) -> None:
-        """Until the upload in flight is done; raises its error, if any."""
+    def wait(self) -> bool:
+        """Until the upload in flight is done; whether it succeeded (a failure is logged: the local
+        checkpoint is whole, and the next checkpoint's upload is tried as usual)."""
         error = self._job.join()
         if error is not None:
-            raise RuntimeError(f"uploading a checkpoint to {self.where} failed: {error}") from error
+            log.warning("uploading a checkpoint to %s failed (%s: %s); training goes on, the next checkpoint "
+                        "is uploaded as usual", self.where, type(error).__name__, error)
+        return error is None
 
-    def fetch_newer(self, root: Path) -> Path | None:
+    def newest(self) -> int | None:
+        """The step of the store's newest complete checkpoint, None without one."""
+        steps = self.steps()
+        return steps[-1][0] if steps else None
+
+    def fetch_newer(self, root: Path, than: int | None = None) -> Path | None:
         """Download the store's newest checkpoint into the local folder `root` if it is newer than every
-        checkpoint there (a trainer resuming on another machine); the path, or None if nothing was needed."""
+        checkpoint there (a trainer resuming on another machine), or than step `than` (the newest that
+        loads here); the path, or None if nothing was needed."""
         import json
 
         remote = self.steps()
         local = list_checkpoints(root)
-        if not remote or (local and local[-1][0] >= remote[-1][0]):
+        have = than if than is not None else local[-1][0] if local else None
+        if not remote or (have is not None and have >= remote[-1][0]):
             return None
         step, sub = remote[-1]
         listing = json.loads(self.folders.complete(sub) or b"{}")
@@ -280,6 +302,8 @@ class RemoteCheckpoints:
         try:
             self.folders.download(sub, listing, tmp)
             final = root / sub
+            if final.exists():      # a damaged local copy of the same step, left by the resume's choice
+                _remove(final)
             if sub.endswith(".dcp"):
                 os.replace(tmp, final)
             else:

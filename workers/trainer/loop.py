@@ -180,6 +180,8 @@ def _checkpoint(s: Session) -> None:
     """Every rank: a checkpoint of this step (rank 0 alone writes it, except under strategy fsdp)."""
     if s.dist.is_main:
         s.metrics.flush()  # rows up to this step are on disk before the checkpoint that keeps them
+        if s.ckpt_mirror is not None:
+            s.ckpt_mirror.wait()   # the last upload reads a checkpoint this save's prune may delete
     t0 = time.time()
     kwargs = dict(step=s.step, version=s.version, model=s.model, optimizer=s.optimizer, kl_state=s.kl.state_dict(),
                   config=s.cfg, keep=s.cfg.keep_checkpoints,

@@ -130,7 +130,13 @@ def open_session(run: Path, cfg: TrainerConfig, model_folder: Path, resume: bool
         chosen: str | dict = {}
         if dist.is_main:
             try:
-                state = _newest_readable_checkpoint(ckpt_dir, checkpoints)
+                try:
+                    state = _newest_readable_checkpoint(ckpt_dir, checkpoints)
+                except TrainerError:
+                    if mirror is None or mirror.newest() is None:
+                        raise
+                    state = None     # none loads here: the store's newest, below
+                state = _prefer_the_store(mirror, ckpt_dir, state)
                 chosen = str(state["path"])
             except TrainerError as e:
                 chosen = {"error": str(e)}
@@ -214,6 +220,21 @@ def _checkpoints_from_store(run, ckpt_dir: Path, cfg: TrainerConfig, resume: boo
     if error is not None:
         raise TrainerError(error)
     return mirror
+
+
+def _prefer_the_store(mirror: RemoteCheckpoints | None, ckpt_dir: Path, state: dict | None) -> dict:
+    """The checkpoint to resume from: `state` (the newest that loads here), or the store's newest complete
+    one when that is newer (a damaged local copy was set aside) or nothing here loads, downloaded."""
+    have = None if state is None else int(state["step"])
+    got = mirror.fetch_newer(ckpt_dir, than=-1 if have is None else have) if mirror is not None else None
+    if got is None:
+        if state is None:
+            raise TrainerError(f"no checkpoint of this run can be read here or in {mirror.where}")
+        return state
+    log.info("downloaded checkpoint %s from %s (newer than any that loads here)", got.name, mirror.where)
+    new = load_checkpoint(got)
+    new["path"] = got
+    return new
 
 
 def _adamw(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
