@@ -77,11 +77,15 @@ def open_store(uri: str | os.PathLike, *, retry_s: float = DEFAULT_RETRY_S) -> "
 
 
 def remote_store(uri: str, *, retry_s: float = DEFAULT_RETRY_S) -> "FsspecStore":
-    """The FsspecStore for `uri`'s scheme: GcsStore for gs:// (gcs://), the S3 one otherwise."""
+    """The FsspecStore for `uri`'s scheme: GcsStore for gs:// (gcs://), AzureStore for az:// (abfs://),
+    the S3 one otherwise."""
     scheme = uri.split("://", 1)[0]
     if scheme in ("gs", "gcs"):
         from buffer.store_gcs import GcsStore
         return GcsStore(uri, retry_s=retry_s)
+    if scheme in ("az", "abfs"):
+        from buffer.store_az import AzureStore
+        return AzureStore(uri, retry_s=retry_s)
     return FsspecStore(uri, retry_s=retry_s)
 
 
@@ -226,12 +230,13 @@ class LocalStore(Store):
 
 
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "RequestTimeTooSkewed", "ConditionalRequestConflict"}
+                    "ThrottlingException", "RequestTimeTooSkewed", "ConditionalRequestConflict",
+                    "ServerBusy", "OperationTimedOut"}
 
 
 def _error_code(e: BaseException) -> tuple[str | None, int | None]:
     """(S3 error code, HTTP status) of a botocore ClientError behind `e` (s3fs wraps them), or (None,
-    HTTP status) of a gcsfs HttpError, if any."""
+    HTTP status) of a gcsfs HttpError, or (error code, HTTP status) of an Azure HttpResponseError, if any."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -241,6 +246,9 @@ def _error_code(e: BaseException) -> tuple[str | None, int | None]:
             return err.get("Code"), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if type(e).__name__ == "HttpError" and isinstance(getattr(e, "code", None), int):
             return None, e.code
+        if isinstance(getattr(e, "status_code", None), int) and hasattr(e, "error_code"):   # azure.core's
+            code = e.error_code
+            return (None if code is None else str(getattr(code, "value", code))), e.status_code
         e = e.__cause__ or e.__context__
     return None, None
 
@@ -255,7 +263,8 @@ def _transient(e: BaseException) -> bool:
     if type(e).__name__ in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
                             "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
                             "ConnectionClosedError", "ServerTimeoutError", "ClientPayloadError",
-                            "ProxyError", "ChunkedEncodingError"):
+                            "ProxyError", "ChunkedEncodingError", "ServiceRequestError", "ServiceResponseError",
+                            "ServiceRequestTimeoutError", "ServiceResponseTimeoutError", "IncompleteReadError"):
         return True
     code, status = _error_code(e)
     if code in _TRANSIENT_CODES or (status is not None and (status >= 500 or status in (408, 429))):

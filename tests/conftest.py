@@ -99,3 +99,24 @@ def gcsenv(gcsserver, monkeypatch):
     for k, v in gcsserver.env.items():
         monkeypatch.setenv(k, v)
     return gcsserver
+
+
+@pytest.fixture(scope="session")
+def azserver():
+    """Azurite (Microsoft's Azure Storage emulator) on 127.0.0.1 behind a relay; one per session, each
+    test in its own container."""
+    from tests.helpers.azserver import AzuriteServer
+
+    server = AzuriteServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def azenv(azserver, monkeypatch):
+    """Azurite's connection string in this process's environment (AZURE_STORAGE_CONNECTION_STRING)."""
+    for k in ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in azserver.env.items():
+        monkeypatch.setenv(k, v)
+    return azserver
