@@ -10,7 +10,7 @@ here onto what object stores guarantee:
                           name exists). Object store: one PUT with `If-None-Match: *`.
     publish(name, data)   a new, unique name appears whole (the writer owns the name). Local:
                           temp + rename. Object store: one PUT (readers never see a partial one).
-    read, list, delete    as they say; S3 listings are strongly consistent (since 2020).
+    read, list, delete    as they say; S3, GCS and Azure listings are strongly consistent.
 
 On top of put_new, `Numbered` keeps a small state (a manifest, LATEST, the trainer's lease) as
 immutable numbered objects where the newest wins: to change it, a writer reads the newest,
@@ -294,6 +294,7 @@ class FsspecStore(Store):
     ENDPOINT_VAR = "AWS_ENDPOINT_URL"
     CREDENTIALS_HINT = "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
     EXTRA = "s3"
+    BUCKET = "bucket"      # what the store calls one (Azure: a container)
 
     def __init__(self, uri: str, *, retry_s: float = DEFAULT_RETRY_S):
         self.uri = uri.rstrip("/")
@@ -461,7 +462,8 @@ class FsspecStore(Store):
         text = f"{type(e).__name__}: {e}"
         low = text.lower()
         if self._bucket_missing(e):
-            return f"{self.uri}: the bucket {self.bucket!r} does not exist at {self.endpoint()} ({e}); create it first"
+            return (f"{self.uri}: the {self.BUCKET} {self.bucket!r} does not exist at {self.endpoint()} ({e}); "
+                    f"create it first")
         if self._misconfigured(e) or "credential" in low:
             return (f"{self.uri}: the credentials were rejected at {self.endpoint()} ({text}); set "
                     f"{self.CREDENTIALS_HINT} for this bucket")

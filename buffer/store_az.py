@@ -21,6 +21,8 @@ files. The SDK's own retries (3, from 15 s apart) are cut to 1 try more: `_retry
 
 from __future__ import annotations
 
+import logging
+
 from buffer.store import DEFAULT_RETRY_S, FsspecStore, StoreError, _error_code
 
 
@@ -35,6 +37,7 @@ class AzureStore(FsspecStore):
     CREDENTIALS_HINT = ("AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
                         "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN")
     EXTRA = "az"
+    BUCKET = "container"
 
     def __init__(self, uri: str, *, retry_s: float = DEFAULT_RETRY_S):
         self._bucket_seen = False       # the container was seen once: a 404 is a blob's
@@ -45,6 +48,9 @@ class AzureStore(FsspecStore):
 
     def _make_fs(self):
         from adlfs import AzureBlobFileSystem
+
+        # The SDK logs every request and response at INFO: into each daemon's log, and `run`'s output.
+        logging.getLogger("azure").setLevel(logging.WARNING)
 
         try:
             fs = AzureBlobFileSystem(skip_instance_cache=True, connection_timeout=5, read_timeout=30)

@@ -21,12 +21,13 @@ We build gcsfs.core.GCSFileSystem, not `gcsfs.GCSFileSystem` (ExtendedGcsFileSys
 that one asks a gRPC control API for each bucket's type (zonal buckets) before its first write
 and, where the API is not there (an emulator), waits 60 s for it. And gcsfs retries each request
 6 times with backoff (about 31 s) whatever it is told; here 2 tries, as for S3: `_retry` owns the
-backoff, so retry_s bounds the wait.
+backoff, so retry_s bounds the wait. Files opened for DuckDB use the readahead cache, as with s3fs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import types
 from urllib.parse import quote
@@ -55,6 +56,9 @@ class GcsStore(FsspecStore):
         self.scheme = "gs"              # gcs:// is an alias; URLs given to DuckDB and pyarrow say gs://
 
     def _make_fs(self):
+        # gcsfs logs each request it gives up on with a traceback (ERROR), and its import at INFO; the
+        # store retries and reports failures itself (one StoreError), so only CRITICAL gets through.
+        logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
         import aiohttp
         from gcsfs.core import GCSFileSystem
         from gcsfs.retry import retry_request
@@ -62,6 +66,13 @@ class GcsStore(FsspecStore):
         fs = GCSFileSystem(token="anon" if _emulator() else None, skip_instance_cache=True,
                            requests_timeout=aiohttp.ClientTimeout(sock_connect=5, sock_read=15))
         fs._request = types.MethodType(retry_request(retries=2)(GCSFileSystem._request.__wrapped__), fs)
+        open_ = fs._open
+
+        def _open(path, mode="rb", **kw):
+            # DuckDB reads a footer, then column chunks: readahead (s3fs's default), not gcsfs's "adaptive"
+            # cache, whose background prefetch tasks are left pending (and warned about) when a CLI exits.
+            return open_(path, mode, **{"cache_type": "readahead", **kw})
+        fs._open = _open
         return fs
 
     def endpoint(self) -> str:

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from buffer.store import StoreError, open_store, store_path
+from conftest import run_cli
 from tests.helpers.azserver import connection_string
 from tests.test_store_gcs import (  # noqa: F401 - collected again, here on az://
     test_a_buffer_on_gcs_written_sampled_and_queried as test_a_buffer_on_az_written_sampled_and_queried,
@@ -44,14 +45,21 @@ def buf(root):
 
 def test_a_missing_container_is_one_store_error_naming_it(azenv):
     store = open_store("az://no-such-container/run", retry_s=5)
-    with pytest.raises(StoreError, match=r"the bucket 'no-such-container' does not exist at http://127\.0\.0\.1:"):
+    with pytest.raises(StoreError, match=r"the container 'no-such-container' does not exist at http://127\.0\.0\.1:"):
         store.check()
-    with pytest.raises(StoreError, match="the bucket 'no-such-container' does not exist"):
+    with pytest.raises(StoreError, match="the container 'no-such-container' does not exist"):
         store.list("shards")
-    with pytest.raises(StoreError, match="the bucket 'no-such-container' does not exist"):
+    with pytest.raises(StoreError, match="the container 'no-such-container' does not exist"):
         store.read("buffer.json")
-    with pytest.raises(StoreError, match="the bucket 'no-such-container' does not exist"):
+    with pytest.raises(StoreError, match="the container 'no-such-container' does not exist"):
         store.put_new("writers/w000001.json", b"{}")
+
+
+def test_a_cli_command_on_a_missing_container_says_so(azenv):
+    r = run_cli("status", "az://no-such-container/run")
+    assert r.returncode == 2, r.stderr
+    assert "the container 'no-such-container' does not exist at http://127.0.0.1:" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_check_names_a_rejected_key(azenv, monkeypatch):

@@ -18,7 +18,7 @@ import pytest
 from buffer import BufferError, BufferSQL, Sampler, ShardWriter
 from buffer.layout import BufferDir
 from buffer.store import Numbered, StoreError, open_store, store_path
-from conftest import make_group
+from conftest import make_group, run_cli
 
 
 @pytest.fixture
@@ -118,6 +118,13 @@ def test_a_missing_bucket_is_one_store_error_naming_it(gcsenv):
         store.read("buffer.json")                      # not a missing file
     with pytest.raises(StoreError, match="the bucket 'no-such-bucket' does not exist"):
         store_path("gs://no-such-bucket/run").is_file()
+
+
+def test_a_cli_command_on_a_missing_bucket_says_so(gcsenv):
+    r = run_cli("status", "gs://no-such-bucket/run")
+    assert r.returncode == 2, r.stderr
+    assert "the bucket 'no-such-bucket' does not exist at http://127.0.0.1:" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_a_missing_object_in_a_bucket_is_a_plain_file_not_found(root):

