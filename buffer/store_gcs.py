@@ -26,6 +26,7 @@ backoff, so retry_s bounds the wait. Files opened for DuckDB use the readahead c
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -41,6 +42,23 @@ def _emulator() -> str | None:
     """$STORAGE_EMULATOR_HOST as gcsfs reads it ('' and 'default' mean none)."""
     host = os.environ.get(_EMULATOR_VAR, "")
     return None if host in ("", "default") else host
+
+
+@functools.cache
+def _default_credentials():
+    """Application Default Credentials as gcsfs finds them (None: none found, anonymous), looked up once
+    per process: where there are none, the lookup probes for a GCE metadata server, ~15 s on a machine
+    that has none ($NO_GCE_CHECK=true skips the probe), and every store opened would pay it again."""
+    from gcsfs.credentials import GoogleCredentials
+    return GoogleCredentials(project=None, access="full_control", token=None).credentials
+
+
+def _token():
+    """What GCSFileSystem is given as `token`: anonymous for an emulator (as Google's client libraries
+    do), else the process's default credentials."""
+    if _emulator():
+        return "anon"
+    return _default_credentials() or "anon"
 
 
 class GcsStore(FsspecStore):
@@ -63,7 +81,7 @@ class GcsStore(FsspecStore):
         from gcsfs.core import GCSFileSystem
         from gcsfs.retry import retry_request
 
-        fs = GCSFileSystem(token="anon" if _emulator() else None, skip_instance_cache=True,
+        fs = GCSFileSystem(token=_token(), skip_instance_cache=True,
                            requests_timeout=aiohttp.ClientTimeout(sock_connect=5, sock_read=15))
         fs._request = types.MethodType(retry_request(retries=2)(GCSFileSystem._request.__wrapped__), fs)
         open_ = fs._open
