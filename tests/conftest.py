@@ -80,3 +80,43 @@ def s3env(s3server, monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     return s3server
+
+
+@pytest.fixture(scope="session", params=["fake-gcs-server", "gcp-storage-emulator"])
+def gcsserver(request):
+    """A real GCS JSON API server on 127.0.0.1 behind a relay, one per kind and session (each test in
+    its own bucket); `.preconditions` says whether it honours ifGenerationMatch (see gcsserver.py)."""
+    from tests.helpers.gcsserver import GcsServer
+
+    server = GcsServer(request.param)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def gcsenv(gcsserver, monkeypatch):
+    """The GCS server's endpoint in this process's environment (STORAGE_EMULATOR_HOST)."""
+    for k, v in gcsserver.env.items():
+        monkeypatch.setenv(k, v)
+    return gcsserver
+
+
+@pytest.fixture(scope="session")
+def azserver():
+    """Azurite (Microsoft's Azure Storage emulator) on 127.0.0.1 behind a relay; one per session, each
+    test in its own container."""
+    from tests.helpers.azserver import AzuriteServer
+
+    server = AzuriteServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def azenv(azserver, monkeypatch):
+    """Azurite's connection string in this process's environment (AZURE_STORAGE_CONNECTION_STRING)."""
+    for k in ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in azserver.env.items():
+        monkeypatch.setenv(k, v)
+    return azserver

@@ -35,8 +35,9 @@ from workers.remote_weights import open_weights
 @CONFIG_ARG
 @click.option("--run", "run_dir", type=click.Path(file_okay=False), default="runs/default", show_default=True,
               help="Run directory (created; holds config.toml, buffer/, weights/, metrics/, logs/), or an "
-              "object-store URI such as s3://bucket/prefix (credentials and endpoint from the AWS_* "
-              "environment; logs and checkpoints then stay on this machine, see the README).")
+              "object-store URI: s3://, gs:// or az://bucket/prefix (credentials and endpoint from each store's "
+              "standard environment variables, never from the config; logs and checkpoints then stay on this "
+              "machine, see the README).")
 @SET_OPT
 @click.option("--resume", is_flag=True, help="Continue the run in --run from its checkpoint and config.")
 @click.option("--force", is_flag=True, help="Delete --run first if it holds an earlier run.")
