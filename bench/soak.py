@@ -57,7 +57,8 @@ measures, while everything runs:
   live_files     live rollout shards + ledger files + metrics and generator_metrics files, as
                  readers list them through each kind's manifest (`workers.compactor.live_files`)
   writer_rss_mb, sampler_rss_mb, compactor_rss_mb
-                 VmRSS of each process, from /proc/<pid>/status
+                 VmRSS of each process, from /proc/<pid>/status (and in the CSV, the sampler's
+                 cache and Arrow's allocated bytes: sampler_cache_mb, sampler_arrow_mb)
 
 At the end the processes are stopped (SIGTERM; the writer flushes) and SQL
 checks that no group was consumed twice and that nothing was lost (every
@@ -205,6 +206,8 @@ def decile_steps(steps: int) -> list[int]:
 
 # -- role: trainer -----------------------------------------------------------------------------
 def trainer_main(args) -> None:
+    import pyarrow as pa
+
     from buffer import Sampler
 
     Stop.install()
@@ -262,7 +265,7 @@ def trainer_main(args) -> None:
                         "none_pulls": none_pulls, "none_pull_s": none_s,
                         "window_s": time.perf_counter() - t_window, "trainer_rss_mb": own_rss_mib(),
                         "index_groups": len(sampler.index), "cached_mb": sampler.cached_bytes / 2**20,
-                        "time": time.time()})
+                        "arrow_mb": pa.total_allocated_bytes() / 2**20, "time": time.time()})
                     window, busy, none_pulls, none_s = [], [], 0, 0.0
                     t_window = time.perf_counter()
                     k += 1
@@ -610,7 +613,8 @@ def synthetic(base: Path, args, state: dict) -> dict:
                "none_pull_s": rnd(d["none_pull_s"], 2), "status_s": rnd(st), "status_cli_s": rnd(st_cli),
                **files, **{key: rnd(v, 1) for key, v in rss.items()},
                "writer_blocked_s": rnd(w.get("blocked_s"), 1), "index_groups": d["index_groups"],
-               "sampler_cache_mb": rnd(d["cached_mb"], 1), "measure_errors": len(errors)}
+               "sampler_cache_mb": rnd(d["cached_mb"], 1), "sampler_arrow_mb": rnd(d.get("arrow_mb"), 1),
+               "measure_errors": len(errors)}
         rows.append(row)
         log(f"  {k * 10:3d}%: step {row['steps']:,}, {row['groups'] or 0:,} groups, {row['window_s']:.1f} s "
             f"this tenth | aggregate {row['aggregate_ms']} ms (version_stats {row['stats_ms']} ms), pull p50 {row['pull_p50_ms']:.1f} / p99 "
