@@ -239,7 +239,7 @@ _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestT
                     "ServerBusy", "OperationTimedOut"}
 
 
-def _error_code(e: BaseException) -> tuple[str | None, int | None]:
+def error_code(e: BaseException) -> tuple[str | None, int | None]:
     """(S3 error code, HTTP status) of a botocore ClientError behind `e` (s3fs wraps them), or (None,
     HTTP status) of a gcsfs HttpError, or (error code, HTTP status) of an Azure HttpResponseError, if any."""
     seen = set()
@@ -271,7 +271,7 @@ def _transient(e: BaseException) -> bool:
                             "ProxyError", "ChunkedEncodingError", "ServiceRequestError", "ServiceResponseError",
                             "ServiceRequestTimeoutError", "ServiceResponseTimeoutError", "IncompleteReadError"):
         return True
-    code, status = _error_code(e)
+    code, status = error_code(e)
     if code in _TRANSIENT_CODES or (status is not None and (status >= 500 or status in (408, 429))):
         return True
     if isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE):
@@ -281,7 +281,7 @@ def _transient(e: BaseException) -> bool:
 
 
 def _no_such_bucket(e: BaseException) -> bool:
-    code, _ = _error_code(e)
+    code, _ = error_code(e)
     return code == "NoSuchBucket" or "The specified bucket does not exist" in str(e)
 
 
@@ -519,7 +519,7 @@ class FsspecStore(Store):
 
     def _misconfigured(self, e: Exception) -> bool:
         """No bucket, or credentials refused (judged by the error code or type, not by key names)."""
-        code, status = _error_code(e)
+        code, status = error_code(e)
         return (isinstance(e, PermissionError) or self._bucket_missing(e) or status == 403
                 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                             "InvalidToken") or type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"))

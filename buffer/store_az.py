@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 
-from buffer.store import DEFAULT_RETRY_S, FsspecStore, StoreError, _error_code
+from buffer.store import DEFAULT_RETRY_S, FsspecStore, StoreError, error_code
 
 
 def _quoted(etag: str) -> str:
@@ -69,7 +69,7 @@ class AzureStore(FsspecStore):
         return sync(self.fs.loop, fn)
 
     def _bucket_missing(self, e: BaseException) -> bool:
-        code, _ = _error_code(e)
+        code, _ = error_code(e)
         if code == "ContainerNotFound":
             return True
         if not isinstance(e, FileNotFoundError) or code is not None or self._bucket_seen:
@@ -87,7 +87,7 @@ class AzureStore(FsspecStore):
         return False
 
     def _misconfigured(self, e: Exception) -> bool:
-        code, status = _error_code(e)
+        code, status = error_code(e)
         return (super()._misconfigured(e) or status == 401 or type(e).__name__ == "ClientAuthenticationError"
                 or code in ("AuthenticationFailed", "AuthorizationFailure", "InvalidAuthenticationInfo"))
 

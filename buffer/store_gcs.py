@@ -33,7 +33,7 @@ import os
 import types
 from urllib.parse import quote
 
-from buffer.store import DEFAULT_RETRY_S, FsspecStore, _error_code
+from buffer.store import DEFAULT_RETRY_S, FsspecStore, error_code
 
 _EMULATOR_VAR = "STORAGE_EMULATOR_HOST"
 
@@ -113,7 +113,7 @@ class GcsStore(FsspecStore):
     def _misconfigured(self, e: Exception) -> bool:
         # gcsfs: 401 is an HttpError, 403 a plain OSError("Forbidden: <url>..."); google-auth's errors
         # when Application Default Credentials cannot be loaded or refreshed.
-        _, status = _error_code(e)
+        _, status = error_code(e)
         return (super()._misconfigured(e) or status == 401
                 or type(e).__name__ in ("RefreshError", "DefaultCredentialsError")
                 or (type(e) is OSError and str(e).startswith("Forbidden:")))
