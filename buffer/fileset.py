@@ -92,14 +92,24 @@ def summary_columns(summary: dict, names: tuple[str, ...]) -> dict[str, "np.ndar
     """A summary's cells as arrays of shape (C,), one per name (SHARD_SUMMARY or LEDGER_SUMMARY), from
     either form read_summary returns."""
     import numpy as np
-    import pyarrow as pa
 
     if "columns" in summary:
-        t = pa.ipc.open_stream(base64.b64decode(summary["columns"])).read_all()
+        t = summary_table(summary, names)
         return {n: t.column(n).to_numpy(zero_copy_only=False) for n in names}
     cells = summary["cells"]
     return {n: np.array([c[i] for c in cells], dtype=object if n == "filter_reason" else None)
             for i, n in enumerate(names)}
+
+
+def summary_table(summary: dict, names: tuple[str, ...]) -> "pa.Table":
+    """A summary's cells as an Arrow table of the columns `names` (no conversion of its strings to Python
+    objects: a merged file's summary holds a row per version and state)."""
+    import pyarrow as pa
+
+    if "columns" in summary:
+        return pa.ipc.open_stream(base64.b64decode(summary["columns"])).read_all().select(list(names))
+    cells = summary["cells"]
+    return pa.table({n: [c[i] for c in cells] for i, n in enumerate(names)})
 
 
 def read_summary(meta: pq.FileMetaData) -> dict | None:

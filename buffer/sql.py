@@ -166,17 +166,13 @@ FROM rollouts GROUP BY ALL
 
 def _version_stats(con: duckdb.DuckDBPyConnection, shards: list) -> None:
     """The version_stats table on `con` (whose rollouts view reads `shards`), from the footers' sums."""
-    from buffer.stats import SHARD_DTYPES, concat, shard_cells
+    from buffer.stats import SHARD_TYPES, shard_table
 
-    cells = shard_cells(shards, con) if shards else concat([], SHARD_DTYPES)
+    cells = shard_table(shards, con) if shards else SHARD_TYPES.empty_table()
     if cells is None:
         con.execute(f"CREATE VIEW version_stats AS {_STATS_SCAN_SQL}")
         return
-    con.register("version_stats_cells", pa.table({
-        "version": pa.array(cells["version"], pa.int64()), "filtered": pa.array(cells["filtered"], pa.bool_()),
-        "filter_reason": pa.array(list(cells["filter_reason"]), pa.string()),
-        "groups": pa.array(cells["groups"], pa.int64()), "completions": pa.array(cells["completions"], pa.int64()),
-        "reward_sum": pa.array(cells["reward_sum"], pa.float64())}))
+    con.register("version_stats_cells", cells)
     con.execute(f"CREATE TABLE version_stats ({_STATS_COLUMNS})")
     con.execute("INSERT INTO version_stats SELECT version, filtered, nullif(filter_reason, ''), sum(groups), "
                 "sum(completions), sum(reward_sum) FROM version_stats_cells WHERE groups > 0 GROUP BY 1, 2, 3 "
