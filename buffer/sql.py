@@ -166,9 +166,9 @@ FROM rollouts GROUP BY ALL
 
 def _version_stats(con: duckdb.DuckDBPyConnection, shards: list) -> None:
     """The version_stats table on `con` (whose rollouts view reads `shards`), from the footers' sums."""
-    from buffer.stats import SHARD_TYPES, shard_table
+    from buffer.stats import shard_table, shard_types
 
-    cells = shard_table(shards, con) if shards else SHARD_TYPES.empty_table()
+    cells = shard_table(shards, con) if shards else shard_types().empty_table()
     if cells is None:
         con.execute(f"CREATE VIEW version_stats AS {_STATS_SCAN_SQL}")
         return

@@ -14,8 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from buffer.fileset import SHARD_SUMMARY, read_summary, summary_columns, summary_table
 from buffer.store import StoreError, read_metadata
@@ -53,6 +51,8 @@ def footer_cells(p: Path, names: tuple[str, ...], count: str, *, arrow: bool = F
     if summary is None or summary["rows"] != meta.num_rows:
         return None
     if arrow:
+        import pyarrow.compute as pc
+
         t = summary_table(summary, names)
         total = pc.sum(t.column(count)).as_py() or 0
     else:
@@ -112,16 +112,20 @@ def shard_cells(shards: list[Path], con) -> dict[str, np.ndarray] | None:
     return {k: np.concatenate([cells[k], np.asarray(read[k]).astype(t)]) for k, t in SHARD_DTYPES.items()}
 
 
-def shard_table(shards: list[Path], con) -> pa.Table | None:
+def shard_table(shards: list[Path], con) -> "pa.Table | None":
     """shard_cells as one Arrow table (SHARD_SUMMARY columns, a row per file and cell), kept in Arrow
     throughout: what SQL's version_stats aggregates with DuckDB."""
     import duckdb
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    types = shard_types()
 
     try:
         found = read_footers(shards, SHARD_SUMMARY, "completions", arrow=True)
     except Unreadable:
         return None
-    parts = [t.cast(SHARD_TYPES) for t in found if t is not None]
+    parts = [t.cast(types) for t in found if t is not None]
     scan = [p for p, t in zip(shards, found) if t is None]
     if scan:
         try:
@@ -131,9 +135,13 @@ def shard_table(shards: list[Path], con) -> pa.Table | None:
         per_file = read.group_by("filename").aggregate([("num_rows", "sum"), ("completions", "sum")])
         if not pc.all(pc.equal(per_file.column("num_rows_sum"), per_file.column("completions_sum"))).as_py():
             return None   # a file's rows do not add up to its groups
-        parts.append(read.select(list(SHARD_SUMMARY)).cast(SHARD_TYPES))
-    return pa.concat_tables(parts) if parts else SHARD_TYPES.empty_table()
+        parts.append(read.select(list(SHARD_SUMMARY)).cast(types))
+    return pa.concat_tables(parts) if parts else types.empty_table()
 
 
-SHARD_TYPES = pa.schema([("version", pa.int64()), ("filtered", pa.bool_()), ("filter_reason", pa.string()),
-                         ("groups", pa.int64()), ("completions", pa.int64()), ("reward_sum", pa.float64())])
+def shard_types() -> "pa.Schema":
+    """The Arrow types of SHARD_SUMMARY's columns (pyarrow is imported on use: `--help` stays light)."""
+    import pyarrow as pa
+
+    return pa.schema([("version", pa.int64()), ("filtered", pa.bool_()), ("filter_reason", pa.string()),
+                      ("groups", pa.int64()), ("completions", pa.int64()), ("reward_sum", pa.float64())])
