@@ -93,14 +93,23 @@ def shard_cells(shards: list[Path], con) -> dict[str, np.ndarray] | None:
     """Every shard's cells: from its footer, or by a scan on the DuckDB connection `con` (which must be
     able to read the shards); None when a footer or a file cannot be read or a file's rows do not add
     up to its groups (the careful path then names the bad file)."""
-    import duckdb
-
     found = shard_summaries(shards)
     if found is None:
         return None
     cells, scan = found
     if not scan:
         return cells
+    read = _scanned(scan, con)
+    if read is None:
+        return None
+    return {k: np.concatenate([cells[k], read[k]]) for k in SHARD_DTYPES}
+
+
+def _scanned(scan: list[Path], con) -> dict[str, np.ndarray] | None:
+    """The cells of shards without a usable footer summary, read by rows (CELLS_SQL); None when that
+    fails or a file's rows do not add up to its groups."""
+    import duckdb
+
     try:
         read = con.execute(CELLS_SQL, {"shards": [str(p) for p in scan]}).fetchnumpy()
     except duckdb.Error:
@@ -108,16 +117,14 @@ def shard_cells(shards: list[Path], con) -> dict[str, np.ndarray] | None:
     _, file_at = np.unique(read["filename"], return_inverse=True)
     if not np.array_equal(np.bincount(file_at, weights=read["num_rows"]),
                           np.bincount(file_at, weights=read["completions"])):
-        return None   # a file's rows do not add up to its groups
-    return {k: np.concatenate([cells[k], np.asarray(read[k]).astype(t)]) for k, t in SHARD_DTYPES.items()}
+        return None
+    return {k: np.asarray(read[k]).astype(t) for k, t in SHARD_DTYPES.items()}
 
 
 def shard_table(shards: list[Path], con) -> "pa.Table | None":
     """shard_cells as one Arrow table (SHARD_SUMMARY columns, a row per file and cell), kept in Arrow
     throughout: what SQL's version_stats aggregates with DuckDB."""
-    import duckdb
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     types = shard_types()
 
@@ -128,14 +135,10 @@ def shard_table(shards: list[Path], con) -> "pa.Table | None":
     parts = [t.cast(types) for t in found if t is not None]
     scan = [p for p, t in zip(shards, found) if t is None]
     if scan:
-        try:
-            read = con.execute(CELLS_SQL, {"shards": [str(p) for p in scan]}).to_arrow_table()
-        except duckdb.Error:
+        read = _scanned(scan, con)
+        if read is None:
             return None
-        per_file = read.group_by("filename").aggregate([("num_rows", "sum"), ("completions", "sum")])
-        if not pc.all(pc.equal(per_file.column("num_rows_sum"), per_file.column("completions_sum"))).as_py():
-            return None   # a file's rows do not add up to its groups
-        parts.append(read.select(list(SHARD_SUMMARY)).cast(types))
+        parts.append(pa.table(read).cast(types))
     return pa.concat_tables(parts) if parts else types.empty_table()
 
 

@@ -20,7 +20,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from tests.helpers.s3server import Relay, _free_port, _wait_port
+from tests.helpers.s3server import Relay, _free_port, _wait_port, stop_server
 
 KINDS = ("fake-gcs-server", "gcp-storage-emulator")
 
@@ -61,9 +61,4 @@ class GcsServer:
         return name
 
     def stop(self) -> None:
-        self.relay.down()
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_server(self.relay, self.proc)

@@ -222,9 +222,14 @@ class S3Server:
         return name
 
     def stop(self) -> None:
-        self.relay.down()
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_server(self.relay, self.proc)
+
+
+def stop_server(relay: Relay, proc: subprocess.Popen) -> None:
+    """Take the relay down, then end the server (killed if it has not exited 10 s after SIGTERM)."""
+    relay.down()
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
