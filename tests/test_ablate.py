@@ -219,15 +219,18 @@ def test_admission_counts_neither_filtered_nor_expired_groups(buf):
     assert _admit(buf, writer, trainable, t=1, max_staleness=2)[0] == 3
 
 
-def test_lockstep_batches_are_sized_by_the_trainable_share():
-    from workers.generator import Admission, GeneratorConfig, TrainableShare, _batch_size
+def test_batches_are_sized_by_the_trainable_share():
+    from workers.generator import GeneratorConfig, TrainableShare, _batch_size
 
     cfg = GeneratorConfig(prompts_per_batch=32)
     share = TrainableShare()
-    assert _batch_size(cfg, Admission(0, 32), 32, share) == 32        # no history: no over-sampling
-    for keep in [True, False, False, True]:                           # half are trainable
+    assert _batch_size(cfg, 32, share) == 32     # no history: no over-sampling
+    for keep in [True, False, False, True]:       # half are trainable
         share.record(keep)
-    assert _batch_size(cfg, Admission(0, 32), 10, share) == 20        # 10 / 0.5
-    assert _batch_size(cfg, Admission(0, 32), 30, share) == 32        # at most a batch
-    assert _batch_size(cfg, Admission(2, 32), 10, share) == 10        # staleness > 0: the allowance
-    assert _batch_size(cfg, Admission(None, 32), None, share) == 32   # no limit
+    assert _batch_size(cfg, 10, share) == 20     # 10 / 0.5
+    assert _batch_size(cfg, 3, share) == 6
+    assert _batch_size(cfg, 30, share) == 32     # at most a batch
+    for _ in range(60):                           # 2 of 64 trainable: the share is floored at 1/8
+        share.record(False)
+    assert _batch_size(cfg, 2, share) == 16
+    assert _batch_size(cfg, None, share) == 32   # no limit: a whole batch

@@ -152,3 +152,12 @@ def test_metrics_writer_truncates_after_a_step(tmp_path):
     assert w.truncate_after(4) == 3   # steps 5, 6 (shard rewritten) and 7 (shard deleted)
     rows = [r for p in sorted((tmp_path / "metrics").glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
     assert rows == [{"step": s, "loss/total": s / 10} for s in (1, 2, 3, 4)]
+
+
+def test_poll_delays_start_short_and_double_to_the_poll_interval():
+    from itertools import islice
+
+    from workers.proc import poll_delays
+
+    assert list(islice(poll_delays(0.25), 7)) == [0.01, 0.02, 0.04, 0.08, 0.16, 0.25, 0.25]
+    assert list(islice(poll_delays(0.005), 3)) == [0.005, 0.005, 0.005]   # an interval below the first pause

@@ -21,11 +21,12 @@ functions that fail give the configured fallback reward and a recorded error
 
 Staleness 0 is lockstep, i.e. synchronous GRPO: the generator samples with
 version t only until the trainer has its groups_per_step trainable groups of
-version t, then waits for version t + 1. Since a group beyond that need could
-only expire, at staleness 0 a batch is sized by the measured share of trainable
-(non-filtered) groups so that one batch usually fills the step; trainable
-groups beyond the step's need are appended all the same (nothing generated is
-dropped) and will expire unused; they are counted as `surplus_groups`.
+version t, then waits for version t + 1. With any staleness limit, a batch is
+sized by the measured share of trainable (non-filtered) groups so that one
+batch usually fills the admission allowance (which counts trainable groups).
+In lockstep, trainable groups beyond the step's need are appended all the same
+(nothing generated is dropped) and will expire unused; they are counted as
+`surplus_groups`.
 
 Idle time: every batch writes a row to `<run>/generator_metrics/` (SQL view
 `generator_metrics`), with `wait_s` (admission, i.e. waiting for the trainer
@@ -52,6 +53,7 @@ from workers.backends.base import SamplingConfig
 from workers.checks import is_int, is_num, require
 from workers.generator_stats import GeneratorStats
 from workers.model import ModelError
+from workers.proc import poll_delays
 from workers.scheduler import SchedulerConfig
 from workers.stop import StopFlag
 
@@ -78,7 +80,8 @@ class GeneratorConfig:
     flush_seconds: float = 5.0
     """... or when the oldest unwritten group has waited this long, whichever comes first."""
     poll_seconds: float = 0.2
-    """How often to look for new weights while waiting (for the first weights, or for admission)."""
+    """How often to look for new weights while waiting for the first ones; the longest pause between
+    looks while waiting for admission (whose first looks come sooner: 10 ms, doubling up to this)."""
     num_threads: int | None = None
     """torch CPU threads for this process; None leaves torch's default."""
     max_groups: int | None = None
@@ -177,7 +180,7 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
                           reload_s=reload_s)
                 break
             version, reload2_s = _timed_reload(store, backend, version, generator_id)
-            n = _batch_size(cfg, admission, allowance, trainable)
+            n = _batch_size(cfg, allowance, trainable)
             if cfg.max_groups is not None:
                 n = min(n, cfg.max_groups - totals["groups"])
             prompts = scheduler.next_batch(n)
@@ -252,21 +255,23 @@ class TrainableShare:
         return sum(self.pending)
 
 
-def _batch_size(cfg: GeneratorConfig, admission: Admission, allowance: int | None,
+def _batch_size(cfg: GeneratorConfig, allowance: int | None,
                 trainable: TrainableShare) -> int:
     """Prompts in the next batch.
 
-    Unlimited staleness: prompts_per_batch. Staleness > 0: capped at the allowance, so
-    the limit is never overshot (the trainer has s steps of groups queued, so a small
-    last batch is off its critical path). Staleness 0 (lockstep): the trainer waits for
-    exactly these groups, so the batch is sized to fill the allowance with trainable
-    groups in one go, allowance / (recent trainable share), floored at 1/8.
+    Unlimited staleness: prompts_per_batch. With a limit, the allowance counts trainable
+    groups, so the batch is sized to fill it in one go: allowance / (recent trainable
+    share, floored at 1/8), at most prompts_per_batch. Capping the batch at the allowance
+    itself (as before) made the batches shrink geometrically once most groups were
+    filtered (a 32-group allowance at a 30% trainable share took batches of about 32, 22,
+    16, 11, ... prompts), and each batch's fixed cost (admission, reload check, shard
+    flush) left the trainer waiting as the policy learned. The limit may be overshot by
+    the share's error, a few groups: at staleness > 0 they queue (and expire if they lag
+    too far); at 0 (lockstep) they are counted as surplus.
     """
     if allowance is None:
         return cfg.prompts_per_batch
-    if admission.max_staleness == 0:
-        return min(cfg.prompts_per_batch, math.ceil(allowance / max(trainable.share(), 0.125)))
-    return min(cfg.prompts_per_batch, allowance)
+    return min(cfg.prompts_per_batch, math.ceil(allowance / max(trainable.share(), 0.125)))
 
 
 def _wait_for_weights(store, cfg: GeneratorConfig, stop: StopFlag) -> int | None:
@@ -326,6 +331,7 @@ def _admit(index, writer, trainable: TrainableShare, admission: Admission, store
     from buffer import admission_limit
 
     t0 = time.time()
+    delays = poll_delays(cfg.poll_seconds)
     while not stop:
         t = store.latest() or 0
         limit = admission_limit(t, admission.max_staleness, admission.groups_per_step)
@@ -342,7 +348,7 @@ def _admit(index, writer, trainable: TrainableShare, admission: Admission, store
             writer.flush()
             continue
         stats.flush_if_due()
-        stop.wait(cfg.poll_seconds)
+        stop.wait(next(delays))
     return 0, time.time() - t0
 
 

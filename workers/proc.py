@@ -1,13 +1,18 @@
-"""What a daemon measures of its own process: resident memory, recorded in its metrics rows.
+"""What a daemon measures of its own process, and how it paces its waits.
+
+Resident memory, recorded in its metrics rows:
 
     SELECT step, "memory/rss_mb" FROM metrics ORDER BY step          -- the trainer over time
     SELECT generator_id, max(rss_mb) FROM generator_metrics GROUP BY 1
+
+Waits (the trainer for groups, a generator for admission) poll with `poll_delays`.
 """
 
 from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Iterator
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -19,3 +24,17 @@ def rss_mb() -> float:
             return int(f.read().split()[1]) * _PAGE / 2**20
     except (OSError, IndexError, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux (bytes on macOS)
+
+
+def poll_delays(most: float, first: float = 0.01) -> Iterator[float]:
+    """Pauses between the looks of a wait: `first` seconds, doubling up to `most`.
+
+    A wait that ends soon (the other side is a step or a batch away) is noticed within about
+    its own length rather than a whole poll interval, which on a fast loop was a large share of
+    the wait (a trainer step of 0.4 s waiting 0.25 s per look); a long wait still looks only
+    every `most` seconds.
+    """
+    delay = min(first, most)
+    while True:
+        yield delay
+        delay = min(2 * delay, most)

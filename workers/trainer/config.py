@@ -109,7 +109,8 @@ class TrainerConfig:
     num_threads: int | None = None
     """torch.set_num_threads for this process; None leaves torch's default."""
     poll_seconds: float = 0.25
-    """How often to look for enough eligible groups while waiting, > 0."""
+    """Longest pause between looks for enough eligible groups while waiting, > 0 (the first
+    looks of a wait come sooner: 10 ms, doubling up to this)."""
     log_wait_seconds: float = 5.0
     """Log a line this often while waiting for groups, > 0."""
     max_wait_seconds: float | None = None

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from buffer.store import as_path
-from workers.proc import rss_mb
+from workers.proc import poll_delays, rss_mb
 from workers.stop import StopFlag
 from workers.trainer.batch import step_batch, table_from_bytes, table_to_bytes
 from workers.trainer.checkpoint import save_checkpoint, save_sharded_checkpoint
@@ -132,6 +132,7 @@ def _wait_and_pull(s: Session):
     cfg = s.cfg
     max_staleness = None if s.offline else cfg.max_staleness
     started = last_log = time.time()
+    delays = poll_delays(cfg.poll_seconds)
     while True:
         if s.stop.requested:
             return "signal", None, (time.time() - started, 0.0)
@@ -157,7 +158,7 @@ def _wait_and_pull(s: Session):
                      c["eligible"], c["expired"], c["filtered"], c["future"], c["consumed"], now - started)
             last_log = now
         s.dist.broadcast({"kind": "wait"})
-        time.sleep(cfg.poll_seconds)
+        time.sleep(next(delays))
 
 
 def _publish(s: Session, wait: bool = False) -> float:
