@@ -260,7 +260,11 @@ def render_html(panels: list[Panel], title: str) -> str:
         titles += [f"{p.title}: {'histogram' if p.histogram is not None else 'by step'}", f"{p.title}: by wall time"]
     fig = make_subplots(rows=len(panels), cols=2, subplot_titles=titles, vertical_spacing=0.25 / len(panels))
     palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+    legends = {}   # one legend per row, beside it: a single page-wide legend listed every series far from its chart
     for r, p in enumerate(panels, start=1):
+        legend = "legend" if r == 1 else f"legend{r}"
+        legends[legend] = {"x": 1.01, "y": fig.get_subplot(r, 2).yaxis.domain[1], "xanchor": "left",
+                           "yanchor": "top", "font": {"size": 10}}
         if p.histogram is not None:
             fig.add_trace(go.Bar(x=p.histogram.step, y=p.histogram.y, name=f"{p.key}: groups", showlegend=False,
                                  marker_color=palette[0]), row=r, col=1)
@@ -272,7 +276,7 @@ def render_html(panels: list[Panel], title: str) -> str:
             for i, s, x, y in _finite_series(p, xkey, t0):
                 drawn = True
                 y = _smooth(y) if len(y) > SMOOTH_ABOVE and not s.markers else y
-                fig.add_trace(go.Scatter(x=x, y=y, name=f"{p.key}: {s.name}", legendgroup=f"{p.key}{i}",
+                fig.add_trace(go.Scatter(x=x, y=y, name=s.name, legendgroup=f"{p.key}{i}", legend=legend,
                                          showlegend=c == 2, mode="markers" if s.markers else "lines",
                                          line={"color": palette[i % len(palette)], "width": 1.5}), row=r, col=c)
             if not drawn:
@@ -282,8 +286,8 @@ def render_html(panels: list[Panel], title: str) -> str:
                              col=c) if not (p.histogram is not None and c == 1) else None
             ylabel = "staleness (versions)" if p.histogram is not None and c == 2 else p.ylabel
             fig.update_yaxes(title_text=ylabel, tickformat=".2~%" if p.percent else None, row=r, col=c)
-    fig.update_layout(title=title, height=330 * len(panels), width=1300, template="plotly_white",
-                      legend={"font": {"size": 10}})
+    fig.update_layout(title=title, height=330 * len(panels), width=1400, template="plotly_white",
+                      margin={"r": 200}, **legends)
     return fig.to_html(include_plotlyjs=True, full_html=True)
 
 

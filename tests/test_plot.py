@@ -40,6 +40,10 @@ def test_plot_writes_a_png_and_an_html_page_with_data_in_every_panel(tmp_path):
     for p in summary["panels"].values():   # in plotly's JSON, "/" is written "\\u002f"
         assert f"{p['title']}: by wall time".replace("/", "\\u002f") in html, p
     assert "Staleness of consumed groups: histogram" in html
+    # each row has its own legend beside it (plotly legend, legend2, ...), each series once
+    # reward: 2 series x 2 charts; staleness: 2 series on its wall-time chart (the histogram has no legend)
+    assert html.count('"legend":"legend"') == 4 and html.count('"legend":"legend9"') == 2
+    assert '"legend9":{' in html and '"legend10"' not in html
     assert 'src="http' not in html and len(html) > 3_000_000   # plotly.js inline: the page works offline
 
 
