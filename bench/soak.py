@@ -78,11 +78,15 @@ minute: live files, status
 time, one SQL aggregate's latency and whether it raised, the newest
 "memory/rss_mb" of the trainer and rss_mb of each generator from their
 metrics (plus VmRSS of the compactor and the supervisor from /proc), and
-afterwards the trainer's idle share per minute (sum("time/wait_s") /
-sum("time/step_s") of the metrics rows whose "time" falls in that minute).
+afterwards, per minute, the trainer's idle share (sum("time/wait_s") /
+sum("time/step_s") of the metrics rows whose "time" falls in that minute), its
+steps and mean busy seconds a step (without the wait), and the generators'
+groups per second and trainable (non-filtered) share: the idle share rises
+either when the pipeline slows or when the policy has learned the task and
+most groups are filtered, and these columns tell which (`per_minute_flow`).
 Then the same invariants (no group trained twice, every consumed group in
 `rollouts`) and a PNG with panels over time: live files, memory per daemon,
-status / SQL latency, trainer idle share.
+status / SQL latency, trainer idle share beside the trainable share.
 
 Written to `--out` (default docs/soak/): soak-synthetic.csv (one row per
 tenth), soak-real.csv (one row per minute) and soak-real.png. Progress goes to
@@ -93,8 +97,9 @@ files <= 2000; each latency last/first <= 1.5; writer and sampler RSS
 last/first <= 1.25) as booleans, the invariants, and under "real" the real
 part's figures (live files: the maximum, the maxima of the first and second
 half of the minutes and the slope over the second half, all of each minute's peak; RSS per daemon at the
-middle minute and the last, and their ratio; query errors; idle share at
-minute 5 and at the last minute). Exit code: 0 when everything ran and the
+middle minute and the last, and their ratio; query errors; each per-minute
+flow figure at minute 5 and at the last minute, e.g. `idle_share_minute5`,
+`trainable_share_last`). Exit code: 0 when everything ran and the
 invariants hold (targets are reported, not enforced), 1 on an error (a child
 died, no trainer step for 5 minutes) or a broken invariant, 130 on Ctrl-C;
 every child is stopped either way. The temp dir is removed unless `--keep`.
@@ -819,23 +824,56 @@ def real(base: Path, args, state: dict) -> dict:
     state["children"].remove(sup)
     if code != 0:
         raise BenchError(f"asyncgrpo run exited with {code} after SIGINT; its log ends with:\n{sup.tail()}")
-    # Idle share per minute, from every metrics row (all flushed now).
-    idle = {}
-    got, _ = _safe_query(run, 'SELECT "time", "time/wait_s" AS w, "time/step_s" AS s FROM metrics', errors)
-    if got:
-        per: dict[int, list[float]] = {}
-        for r in got:
-            m = int((r["time"] - t0) // 60) + 1
-            acc = per.setdefault(m, [0.0, 0.0])
-            acc[0] += r["w"] or 0.0
-            acc[1] += r["s"] or 0.0
-        idle = {m: (w / s if s > 0 else None) for m, (w, s) in per.items()}
+    flow = per_minute_flow(run, t0, errors)
     for row in rows:
-        row["idle_share"] = rnd(idle.get(row["minute"]))
+        row.update(flow.get(row["minute"], {}))
     inv = invariants(run)
     write_csv(args.out / "soak-real.csv", rows)
     plot = plot_real(rows, args.out / "soak-real.png")
     return summarize_real(rows, inv, errors, status_errors, plot, args.out / "soak-real.csv")
+
+
+FLOW_KEYS = ("idle_share", "trainer_steps", "trainer_busy_s", "gen_groups_per_s", "trainable_share")
+
+
+def per_minute_flow(run: Path, t0: float, errors: list) -> dict[int, dict]:
+    """Minute (1-based, from t0) -> what flowed through the run in it, from every metrics and
+    generator-metrics row (all flushed once the run has stopped):
+
+        idle_share        sum("time/wait_s") / sum("time/step_s") of the trainer's steps
+        trainer_steps     steps that ended in the minute
+        trainer_busy_s    mean seconds of a step without its wait (pull + train + publish)
+        gen_groups_per_s  groups the generators appended per second
+        trainable_share   share of those groups that are not filtered (they alone feed the trainer)
+
+    The idle share alone cannot tell a pipeline that slows down from a policy that has learned
+    the task: with most groups all-correct, the generators must sample many groups per trainable
+    one. The other columns tell them apart."""
+    out: dict[int, dict] = {}
+
+    def minute(t):
+        return int((t - t0) // 60) + 1
+
+    got, _ = _safe_query(run, 'SELECT "time", "time/wait_s" AS w, "time/step_s" AS s FROM metrics', errors)
+    per: dict[int, list[float]] = {}
+    for r in got or []:
+        acc = per.setdefault(minute(r["time"]), [0.0, 0.0, 0])
+        acc[0] += r["w"] or 0.0
+        acc[1] += r["s"] or 0.0
+        acc[2] += 1
+    for m, (w, s, n) in per.items():
+        out.setdefault(m, {}).update(idle_share=rnd(w / s if s > 0 else None), trainer_steps=n,
+                                     trainer_busy_s=rnd((s - w) / n if n else None))
+    got, _ = _safe_query(run, "SELECT started_at + seconds AS t, groups, filtered FROM generator_metrics", errors)
+    gen: dict[int, list[int]] = {}
+    for r in got or []:
+        acc = gen.setdefault(minute(r["t"]), [0, 0])
+        acc[0] += r["groups"] or 0
+        acc[1] += r["filtered"] or 0
+    for m, (g, f) in gen.items():
+        out.setdefault(m, {}).update(gen_groups_per_s=rnd(g / 60, 1),
+                                     trainable_share=rnd((g - f) / g if g else None))
+    return out
 
 
 def summarize_real(rows, inv, errors, status_errors, plot, csv_path) -> dict:
@@ -866,7 +904,6 @@ def summarize_real(rows, inv, errors, status_errors, plot, csv_path) -> dict:
         key = f"{dname}_rss_mb"
         a, b = mid.get(key), end.get(key)
         out[f"{key}_mid"], out[f"{key}_last"], out[f"{dname}_rss_ratio"] = a, b, ratio(b, a)
-    idle = [r.get("idle_share") for r in rows]
     out.update({
         "status_s_max": max(col("status_s", rows), default=None),
         "aggregate_ms_max": max(col("aggregate_ms", rows), default=None),
@@ -874,7 +911,8 @@ def summarize_real(rows, inv, errors, status_errors, plot, csv_path) -> dict:
         "query_errors": len(errors), "status_errors": status_errors, "first_errors": errors[:3],
         "trained_twice": inv["trained_twice"], "lost": inv["lost"],
         "max_staleness_consumed": inv["max_staleness_consumed"],
-        "idle_share_minute5": idle[4] if len(idle) >= 5 else None, "idle_share_last": idle[-1] if idle else None,
+        **{f"{k}_{at}": (rows[i].get(k) if rows and -len(rows) <= i < len(rows) else None)
+           for k in FLOW_KEYS for at, i in (("minute5", 4), ("last", -1))},
         "plot": str(plot) if plot else None, "csv": str(csv_path)})
     return out
 
@@ -910,9 +948,10 @@ def plot_real(rows: list[dict], path: Path) -> Path | None:
     ax[2].set_ylabel("seconds")
     ax[2].set_title("status and SQL latency")
     ax[3].plot(x, series("idle_share"), marker=".", label="trainer idle share")
+    ax[3].plot(x, series("trainable_share"), marker=".", label="trainable share of generated groups")
     ax[3].set_ylim(0, 1)
     ax[3].set_ylabel("share")
-    ax[3].set_title("trainer idle share (time/wait_s / time/step_s per minute)")
+    ax[3].set_title("trainer idle share (time/wait_s / time/step_s per minute), and what feeds it")
     ax[3].set_xlabel("minutes since the daemons started")
     for a in ax:
         a.grid(alpha=0.3)
