@@ -233,6 +233,11 @@ class ShardWriter:
         """Wait until every shard handed to the flush threads is visible; queued groups stay queued."""
         self._reap(keep=0)
 
+    def reap(self) -> None:
+        """Record the shards made visible so far, without waiting for the others; raises the error
+        of a shard that failed (its groups go back to the queue, as with `flush`)."""
+        self._reap()
+
     def close(self) -> None:
         try:
             self.flush()

@@ -219,6 +219,37 @@ def test_admission_counts_neither_filtered_nor_expired_groups(buf):
     assert _admit(buf, writer, trainable, t=1, max_staleness=2)[0] == 3
 
 
+def test_admission_counts_shards_in_flight_without_waiting_for_them(buf, monkeypatch):
+    import buffer.writer as writer_module
+    from workers.generator import TrainableShare
+
+    release = threading.Event()
+    write = writer_module._write_buffer
+
+    def held(f, data):              # the shard's write waits until the test lets it go
+        release.wait(30)
+        write(f, data)
+
+    monkeypatch.setattr(writer_module, "_write_buffer", held)
+    trainable = TrainableShare()
+    writer = ShardWriter(buf, flush_groups=2, flush_seconds=None)
+    try:
+        for i in range(2):          # 2 trainable groups of v0 fill a shard, which stays in flight
+            writer.append(make_group(0, [0.0, 1.0], prompt_id=f"a{i}", seed=i))
+            trainable.appended(True)
+        # Staleness 2 at v0: limit (2 + 0 + 1) * 2 = 6; admitted: the 2 groups in flight.
+        t0 = time.monotonic()
+        assert _admit(buf, writer, trainable, t=0, max_staleness=2)[0] == 4
+        assert time.monotonic() - t0 < 10 and writer.pending_groups == 2   # it did not wait for the shard
+        release.set()
+        writer.wait()
+        assert writer.pending_groups == 0 and len(GroupIndex(buf)) == 2
+        assert _admit(buf, writer, trainable, t=0, max_staleness=2)[0] == 4   # now the index counts them, once
+    finally:
+        release.set()
+        writer.close()
+
+
 def test_batches_are_sized_by_the_trainable_share():
     from workers.generator import GeneratorConfig, TrainableShare, _batch_size
 

@@ -100,3 +100,23 @@ def test_run_feeds_tensorboard_and_wandb_and_writes_its_plots(tmp_path, monkeypa
     assert all(summary["panels"][k]["points"] > 0 for k in PANELS), summary
     assert summary["panels"]["eval"]["points"] == 2   # before and after
     assert png_size(run / "plot.png") == (1200, 2232)
+
+
+def test_the_runs_periodic_plot_is_drawn_by_a_child_process(tmp_path):
+    """The supervisor's plots every run.plot_every_s come from `asyncgrpo plot` in a child: matplotlib,
+    plotly and the run's points never enter the supervisor, whose memory grew with each plot."""
+    run = make_run(tmp_path / "r", steps=12)
+    code = ("import sys; from pathlib import Path; from pipeline.trackers import write_run_plot; "
+            f"write_run_plot(Path({str(run)!r})); print(sorted(m for m in ('matplotlib', 'plotly') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    assert png_size(run / "plot.png") == (1200, 2232) and (run / "plot.html").stat().st_size > 3_000_000
+    (run / "plot.png").unlink()
+    (run / "plot.png").mkdir()          # the child cannot write its PNG: it fails, and says so
+    code = ("from pathlib import Path; from pipeline.trackers import write_run_plot; "
+            f"write_run_plot(Path({str(run)!r}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+    assert r.returncode != 0 and "asyncgrpo plot exited with" in r.stderr, r.stderr

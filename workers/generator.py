@@ -337,11 +337,16 @@ def _admit(index, writer, trainable: TrainableShare, admission: Admission, store
         limit = admission_limit(t, admission.max_staleness, admission.groups_per_step)
         if limit is None:
             return None, time.time() - t0
-        writer.wait()  # shards in flight become visible first: each group counted exactly once below
+        # Shards in flight are counted with the unflushed groups, before the index looks: one made
+        # visible in between is counted twice (admission errs on the safe side), none is missed.
+        # Waiting for them instead (writer.wait) put each shard's encode, fsync and rename on the
+        # generator's path: the check took 10.5 ms a batch against 5.8 ms (medians, 2 cores, on the
+        # buffer of a 60-minute run; the rest is the index's refresh), with batches of ~85 ms.
+        writer.reap()
+        pending = trainable.pending_trainable(writer.pending_groups)
         index.refresh()
         counts = index.counts(t, admission.max_staleness, by_version=False)
-        admitted = (counts["admitted"] - counts["expired"] - counts["unavailable"]
-                    + trainable.pending_trainable(writer.pending_groups))
+        admitted = counts["admitted"] - counts["expired"] - counts["unavailable"] + pending
         if admitted < limit:
             return limit - admitted, time.time() - t0
         if writer.pending_groups:
