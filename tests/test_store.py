@@ -107,24 +107,36 @@ def test_a_slow_writer_reads_again_instead_of_recreating_a_pruned_number(root):
 
 
 def test_lease_refuses_a_second_holder_until_the_first_expires(root):
+    """A live lease is refused to a second holder; one whose holder stopped renewing is taken ttl_s
+    later, and the old holder is fenced. The leases that must stay live are long (60 s), so a slow,
+    loaded machine cannot let them expire between two calls; only the one that must expire is short."""
     store = open_store(root)
-    first = Lease(store, "leases", "trainer", ttl_s=1.0)
+    first = Lease(store, "leases", "trainer", ttl_s=60.0)
     first.acquire()
     second = Lease(open_store(root), "leases", "trainer", ttl_s=1.0)
     with pytest.raises(LeaseHeld, match=r"another trainer holds this run \(pid \d+ on "):
         second.acquire()
     first.renew()                                  # the holder keeps it
-    time.sleep(3.2)                                # ... until it stops renewing (killed): ttl + 2 s of resolution
-    second.acquire()
+    with pytest.raises(LeaseHeld, match="another trainer holds this run"):
+        second.acquire()
+    first.release()
+    second.acquire()                               # released: taken at once
+
+    short = Lease(store, "leases", "generator", ttl_s=1.0)
+    short.acquire()
+    time.sleep(3.2)                                # it stops renewing (killed): ttl + 2 s of resolution
+    taker = Lease(open_store(root), "leases", "generator", ttl_s=60.0)
+    taker.acquire()
     with pytest.raises(LeaseHeld, match="lost its lease"):
-        first.renew()                              # fenced: the old holder must stop
-    second.release()
-    Lease(store, "leases", "trainer").acquire()    # released: taken at once
+        short.renew()                              # fenced: the old holder must stop
+    with pytest.raises(LeaseHeld, match="another generator holds this run"):
+        short.acquire()                            # the taker's 60 s lease is live
 
 
 def test_a_lease_is_judged_by_the_stores_clock_not_the_machines(s3env, monkeypatch):
     """An acquirer whose clock runs an hour ahead (or behind) of the holder's: the live lease is still
-    refused, and once the holder stops renewing it is taken ttl_s later by the store's clock."""
+    refused, and once the holder stops renewing it is taken ttl_s later by the store's clock. The lease
+    that must stay live is long (60 s), so a slow machine cannot let it expire between two calls."""
     import buffer.store as store_module
 
     class Skewed:
@@ -138,15 +150,15 @@ def test_a_lease_is_judged_by_the_stores_clock_not_the_machines(s3env, monkeypat
             return getattr(time, name)
 
     s3env.create_bucket("skew")
-    first = Lease(open_store("s3://skew/run"), "leases", "trainer", ttl_s=2.0)
-    first.acquire()
+    Lease(open_store("s3://skew/run"), "leases", "trainer", ttl_s=60.0).acquire()
+    Lease(open_store("s3://skew/run"), "leases", "generator", ttl_s=2.0).acquire()
     for by in (3600.0, -3600.0):
         monkeypatch.setattr(store_module, "time", Skewed(by))
         with pytest.raises(LeaseHeld, match=r"lease valid for \d+ s more"):
             Lease(open_store("s3://skew/run"), "leases", "trainer", ttl_s=2.0).acquire()
     monkeypatch.setattr(store_module, "time", Skewed(-3600.0))
     time.sleep(4.2)                                # the holder stopped renewing: ttl + 2 s of resolution
-    Lease(open_store("s3://skew/run"), "leases", "trainer", ttl_s=2.0).acquire()
+    Lease(open_store("s3://skew/run"), "leases", "generator", ttl_s=2.0).acquire()
 
 
 def test_sql_over_the_bucket_without_extensions(s3env):
@@ -251,17 +263,18 @@ def test_a_lease_lock_is_renewed_while_held_and_refuses_writes_once_it_lapsed(s3
 
     s3env.create_bucket("leaselock")
     path = store_path("s3://leaselock/run") / "buffer.lock"
-    held = LeaseLock(path, ttl_s=1.5)
+    held = LeaseLock(path, ttl_s=6.0)                 # renewed every 2 s: a renewal may come 2 s late
     held.acquire()
-    time.sleep(2.0)                                   # longer than the lease: the renewals keep it
+    time.sleep(6.5)                                   # longer than the lease: the renewals keep it
     held.assert_held()
     with pytest.raises(Exception, match="Timeout|buffer.lock"):
-        LeaseLock(path, ttl_s=1.5).acquire(timeout=0.5)
+        LeaseLock(path, ttl_s=6.0).acquire(timeout=0.5)
     held._stop.set()                                  # as if paused: no more renewals
-    time.sleep(1.2)                                   # past 2/3 of the lease since the last renewal
+    held._thread.join()
+    time.sleep(4.1)                                   # past 2/3 of the lease since the last renewal began
     with pytest.raises(LeaseHeld, match="the lease of this process lapsed"):
         held.assert_held()
-    other = LeaseLock(path, ttl_s=1.5)
-    other.acquire(timeout=5)                          # expired: the next holder takes it
+    other = LeaseLock(path, ttl_s=6.0)
+    other.acquire(timeout=30)                         # expired: the next holder takes it
     other.release()
     assert other._thread is None                      # the renewal thread is joined on release
