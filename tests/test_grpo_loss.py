@@ -153,6 +153,35 @@ def test_entropy_metric_from_logits():
     assert m["loss/entropy"] == pytest.approx((4 * math.log(8) + h) / 5, abs=1e-12)
 
 
+def test_entropy_bonus_subtracts_the_aggregated_entropy_and_pushes_toward_uniform():
+    """entropy_coef * H is subtracted, aggregated like the policy term; its gradient raises the entropy
+    of every completion position (and of none under the mask), and is zero where the policy is uniform."""
+    logits = torch.zeros(2, 3, 8, dtype=D)
+    logits[0, 2] = 5.0                                                          # padding: ignored
+    logits[1, 0, 0] = 2 * math.log(3)   # at T = 2: p ∝ [3, 1, ..., 1] over 8
+    logits.requires_grad_(True)
+    p = [3 / 10] + [1 / 10] * 7
+    h = -sum(x * math.log(x) for x in p)
+    loss, m = policy_loss(bypass_inputs(logits=logits, temperature=2.0), PolicyLossConfig(entropy_coef=0.1))
+    assert loss.item() == pytest.approx(0.08 - 0.1 * (4 * math.log(8) + h) / 5, abs=1e-12)
+    assert m["loss/entropy_bonus"].item() == pytest.approx((4 * math.log(8) + h) / 5, abs=1e-12)
+    assert m["loss/entropy"].item() == pytest.approx((4 * math.log(8) + h) / 5, abs=1e-12)
+    loss, m = policy_loss(bypass_inputs(logits=logits, temperature=2.0),
+                          PolicyLossConfig(entropy_coef=0.1, loss_agg_mode="seq-mean-token-mean"))
+    bonus = (2 * math.log(8) / 2 + (2 * math.log(8) + h) / 3) / 2
+    assert m["loss/entropy_bonus"].item() == pytest.approx(bonus, abs=1e-12)
+    assert loss.item() == pytest.approx(-0.125 - 0.1 * bonus, abs=1e-12)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert grad[0, 2].abs().sum().item() == 0                                   # masked: exactly none
+    assert grad[0, :2].abs().max().item() < 1e-15 and grad[1, 1:].abs().max().item() < 1e-15   # uniform
+    # the one peaked position: d(-H)/dz_v = p_v (log p_v + H) / T, lowering the peak, raising the rest
+    want = [0.1 / 6 * x * (math.log(x) + h) / 2.0 for x in p]
+    assert grad[1, 0].tolist() == pytest.approx(want, abs=1e-12)
+    assert grad[1, 0, 0] > 0 > grad[1, 0, 1]
+    _, m = policy_loss(bypass_inputs(logits=logits, temperature=2.0), PolicyLossConfig())
+    assert "loss/entropy_bonus" not in m                                        # off: the metric only
+
+
 def test_importance_weight_counts_on_a_larger_batch():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
     w = torch.tensor([[5.0, 0.1, 1.0, 2.5], [0.4, 0.6, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0], [1.9, 9.0, 0.0 + 1, 1]])
@@ -190,6 +219,7 @@ def test_normalizer_helper():
     ("kl_estimator", "k4"), ("loss_agg_mode", "seq-mean-token-sum"), ("is_threshold", 0.5),
     ("is_threshold", float("inf")), ("is_threshold_low", 1.5), ("is_threshold_low", 0.0), ("epsilon", 1.0),
     ("epsilon", -0.1), ("epsilon_high", -0.2), ("beta", -0.01), ("beta", float("nan")), ("epsilon", True),
+    ("entropy_coef", -0.001), ("entropy_coef", float("inf")),
     ("max_completion_length", 0), ("max_completion_length", 12.5),
 ])
 def test_bad_config_names_field_and_value(field, value):
@@ -209,6 +239,8 @@ def test_inputs_and_mode_mismatches():
         policy_loss(decoupled_inputs(), PolicyLossConfig())
     with pytest.raises(ValueError, match=r"beta=0.1 .*ref_logprobs"):
         policy_loss(bypass_inputs(), PolicyLossConfig(beta=0.1))
+    with pytest.raises(ValueError, match=r"entropy_coef=0.01 > 0 needs the policy's logits"):
+        policy_loss(bypass_inputs(), PolicyLossConfig(entropy_coef=0.01))
     with pytest.raises(ValueError, match=r"normalizer .*got 0"):
         policy_loss(bypass_inputs(), PolicyLossConfig(), normalizer=0)
     with pytest.raises(ValueError, match=r"behaviour_logprobs .*\(2, 3\), got \(2, 4\)"):

@@ -71,7 +71,7 @@ def test_metrics_rows_and_on_policy_alignment(tmp_path, model_folder):  # noqa: 
     groups = sampled(str(model_folder), 12, temperature=0.7)
     write_buffer(tmp_path, groups)
     cfg = TrainerConfig(groups_per_step=3, max_steps=2, micro_batch_size=7, num_iterations=2,
-                        loss=PolicyLossConfig(objective="decoupled", beta=0.04), **FAST)
+                        loss=PolicyLossConfig(objective="decoupled", beta=0.04, entropy_coef=0.01), **FAST)
     run_trainer(tmp_path, cfg, model_folder=model_folder, offline=True)
     rows = BufferSQL(tmp_path).query("SELECT * FROM metrics ORDER BY step").to_pylist()
     assert [r["step"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [1, 2]
@@ -88,6 +88,10 @@ def test_metrics_rows_and_on_policy_alignment(tmp_path, model_folder):  # noqa: 
     # (logits / temperature, right-padded micro-batches) match the stored behaviour log-probs.
     assert first["kl/old_behaviour"] < 1e-9 and first["is/mean"] == pytest.approx(1.0, abs=1e-5)
     assert first["kl/ref"] > 0          # the second inner epoch moved away from the reference
+    for r in rows:   # the entropy bonus (token-mean, like the policy term) is the logged token-mean entropy
+        assert r["loss/entropy_bonus"] == pytest.approx(r["loss/entropy"], rel=1e-6)   # float32 sums
+        assert r["loss/total"] == pytest.approx(r["loss/policy"] + 0.04 * r["loss/kl"] - 0.01 * r["loss/entropy_bonus"],
+                                                rel=1e-6, abs=1e-6)
     assert first["beta"] == 0.04 and first["lr"] == 1e-4 and first["staleness/max"] == 0
     taken = [g for g in groups if len({c.reward for c in g.completions}) > 1][:3]   # oldest unfiltered
     assert first["reward/mean"] == pytest.approx(sum(c.reward for g in taken for c in g.completions) / 24)

@@ -4,7 +4,7 @@ Per completion token (b, t), with A_b the group advantage, w_bt the treated
 importance weight pi_old / mu (`importance.py`), and r_bt = pi_theta / pi_old:
 
     l_bt = -w_bt * min(r_bt A_b, clip(r_bt, 1 - epsilon, 1 + epsilon_high) A_b)
-           + beta * KL_est(pi_theta || pi_ref)_bt
+           + beta * KL_est(pi_theta || pi_ref)_bt - entropy_coef * H(pi_theta)_bt
 
 aggregated by `loss_agg_mode` (`aggregation.py`). pi_old is either
 
@@ -61,9 +61,10 @@ class PolicyLossInputs:
     ref_logprobs: torch.Tensor | None = None
     """(B, T) log pi_ref of the frozen reference; required when beta > 0."""
     logits: torch.Tensor | None = None
-    """(B, T, V) optional, only for the entropy metric (loss/entropy)."""
+    """(B, T, V) logits of pi_theta at the completion positions: for the entropy metric (loss/entropy),
+    and, with gradient, for the entropy bonus (required when entropy_coef > 0)."""
     temperature: float = 1.0
-    """Sampling temperature the logits are divided by for the entropy metric; > 0."""
+    """Sampling temperature the logits are divided by for the entropy; > 0."""
 
     def __post_init__(self) -> None:
         shape = tuple(self.logprobs.shape)
@@ -111,7 +112,8 @@ def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
     Returns (loss (), metrics): 0-d detached tensors, means over this call's
     completion tokens unless named otherwise:
       loss/total, loss/policy, loss/kl (aggregated, before beta; when ref log-probs are given),
-      loss/entropy (when logits are given), loss/num_tokens, loss/num_seqs;
+      loss/entropy (token mean, when logits are given), loss/entropy_bonus (aggregated, before
+      entropy_coef; when entropy_coef > 0), loss/num_tokens, loss/num_seqs;
       clip/low_count, clip/high_count, clip/low_frac, clip/high_frac, clip/frac
         (tokens where the clip stops the gradient: r < 1-epsilon with A < 0, r > 1+epsilon_high with A > 0),
       clip/ratio_mean, clip/ratio_max;
@@ -126,6 +128,8 @@ def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
                          "must be None, got a tensor; use objective='decoupled' to train against it")
     if config.beta > 0 and inputs.ref_logprobs is None:
         raise ValueError(f"beta={config.beta} > 0 needs ref_logprobs (the reference policy's), got None")
+    if config.entropy_coef > 0 and inputs.logits is None:
+        raise ValueError(f"entropy_coef={config.entropy_coef} > 0 needs the policy's logits, got None")
     if isinstance(normalizer, (int, float)) and not (math.isfinite(normalizer) and normalizer > 0):
         raise ValueError(f"normalizer must be a finite number > 0 (see loss_normalizer), got {normalizer!r}")
 
@@ -163,6 +167,16 @@ def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
         if config.beta > 0:
             loss = loss + config.beta * kl_term
 
+    entropy = bonus = None
+    if inputs.logits is not None:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coef > 0):
+            logits = inputs.logits if config.entropy_coef > 0 else inputs.logits.detach()
+            entropy = torch.where(m, entropy_from_logits(logits, inputs.temperature, _ENTROPY_CHUNK_ROWS)
+                                  .to(new.dtype), 0.0)                 # (B, T)
+        if config.entropy_coef > 0:
+            bonus = aggregate(entropy, m, config.loss_agg_mode, normalizer)
+            loss = loss - config.entropy_coef * bonus
+
     with torch.no_grad():
         n_tok = m.sum()
         denom = n_tok.clamp_min(1).to(new.dtype)
@@ -189,7 +203,8 @@ def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
         if kl_term is not None:
             metrics["loss/kl"] = kl_term.detach()
             metrics["kl/ref"] = _masked_mean(kl_tok, m, denom)
-        if inputs.logits is not None:
-            entropy = entropy_from_logits(inputs.logits.detach(), inputs.temperature, _ENTROPY_CHUNK_ROWS)
-            metrics["loss/entropy"] = _masked_mean(entropy.to(new.dtype), m, denom)
+        if entropy is not None:
+            metrics["loss/entropy"] = _masked_mean(entropy.detach(), m, denom)
+        if bonus is not None:
+            metrics["loss/entropy_bonus"] = bonus.detach()
     return loss, metrics

@@ -62,6 +62,11 @@ class PolicyLossConfig:
     beta: float = 0.0
     """Coefficient of the KL-to-reference loss term, >= 0; 0 needs no reference log-probs
     (the trainer then loads no reference model)."""
+    entropy_coef: float = 0.0
+    """Coefficient of an entropy bonus, >= 0 (verl's entropy_coeff): the loss subtracts entropy_coef
+    times the policy's entropy (of softmax(logits / temperature)) over completion tokens, aggregated
+    like the policy term. It keeps the policy from collapsing onto one completion per prompt, which
+    makes whole groups agree and so carry no gradient. Needs the logits (the trainer passes them)."""
     kl_estimator: KLEstimator = "k3"
     """Per-token KL estimator: "k1" (log ratio), "k2" (half squared log ratio), "k3" (GRPO's)."""
     loss_agg_mode: LossAggMode = "token-mean"
@@ -90,6 +95,8 @@ class PolicyLossConfig:
             raise bad("epsilon_high", "a finite number >= 0 or None (same as epsilon)")
         if not is_num(self.beta) or self.beta < 0:
             raise bad("beta", "a finite number >= 0 (0 turns the KL term off)")
+        if not is_num(self.entropy_coef) or self.entropy_coef < 0:
+            raise bad("entropy_coef", "a finite number >= 0 (0 turns the entropy bonus off)")
         if self.max_completion_length is not None and (isinstance(self.max_completion_length, bool) or not
                                                        isinstance(self.max_completion_length, int)
                                                        or self.max_completion_length < 1):

@@ -28,7 +28,7 @@ from buffer.store import RemotePath, list_names, read_table
 
 # policy_loss metrics that are sums over micro-batches (global normaliser or counts);
 # each is divided by the number of inner epochs, so a step reports one epoch's worth.
-_SUMMED = ("loss/total", "loss/policy", "loss/kl")
+_SUMMED = ("loss/total", "loss/policy", "loss/kl", "loss/entropy_bonus")
 
 
 def _kind(key: str) -> str:
