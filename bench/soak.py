@@ -833,6 +833,7 @@ def real(base: Path, args, state: dict) -> dict:
     return summarize_real(rows, inv, errors, status_errors, plot, args.out / "soak-real.csv")
 
 
+WINDOW = 5   # minutes: memory peaks at the middle and the end, the trainer's idle share at the end
 FLOW_KEYS = ("idle_share", "trainer_steps", "trainer_busy_s", "gen_groups_per_s", "trainable_share")
 
 
@@ -904,6 +905,12 @@ def summarize_real(rows, inv, errors, status_errors, plot, csv_path) -> dict:
         key = f"{dname}_rss_mb"
         a, b = mid.get(key), end.get(key)
         out[f"{key}_mid"], out[f"{key}_last"], out[f"{dname}_rss_ratio"] = a, b, ratio(b, a)
+        # One sample a minute can land in a merge's or a plot's transient peak, or between them: the
+        # peak of the WINDOW minutes ending at the middle and at the end compares like with like.
+        pa, pb = max(col(key, early[-WINDOW:]), default=None), max(col(key, late[-WINDOW:]), default=None)
+        out[f"{key}_peak_mid"], out[f"{key}_peak_last"], out[f"{dname}_rss_peak_ratio"] = pa, pb, ratio(pb, pa)
+    idle = col("idle_share", rows[-WINDOW:])
+    out["idle_share_last_window_mean"] = rnd(sum(idle) / len(idle)) if idle else None
     out.update({
         "status_s_max": max(col("status_s", rows), default=None),
         "aggregate_ms_max": max(col("aggregate_ms", rows), default=None),
