@@ -953,7 +953,9 @@ class LeaseLock:
     A holder can lose the lease while it runs (paused, or the store unreachable for longer than the
     lease): `assert_held()` raises LeaseHeld once the last successful renewal is older than the lease,
     and the buffer calls it before each write only one holder may make (a ledger record); manifests
-    are also written with If-Match (FileSet), so a lapsed holder cannot overwrite them."""
+    are also written with If-Match (FileSet), so a lapsed holder cannot overwrite them. A renewal
+    still in flight when the window closes (slow, or retrying while the store is briefly down)
+    decides: `assert_held()` waits for its outcome rather than give up a lease that may still be ours."""
 
     def __init__(self, path: RemotePath, *, ttl_s: float = 30.0, poll_s: float = 0.25):
         self.path, self.ttl_s, self.poll_s = path, ttl_s, poll_s
@@ -970,6 +972,13 @@ class LeaseLock:
         return self._count > 0
 
     def assert_held(self) -> None:
+        if self._count and time.monotonic() > self._valid_until:
+            # A renewal holding `_renewing` (its store calls retrying through an outage) decides: success
+            # moves `_valid_until` on from the renewal's start, failure leaves it behind (or at 0). Only
+            # the renewal thread and release() take `_renewing`, neither waits for this caller, and the
+            # store's retry_s bounds a renewal, so this wait is bounded and cannot deadlock.
+            with self._renewing:
+                pass
         if self._count and time.monotonic() > self._valid_until:
             raise LeaseHeld(f"{self.path}: the lease of this process lapsed (not renewed for {self.ttl_s:.0f} s: "
                             f"a pause, or the store unreachable); another process may hold it now, so this "
@@ -1001,24 +1010,29 @@ class LeaseLock:
         stop = self._stop = threading.Event()
 
         def renew():
-            while not stop.wait(self.ttl_s / 3):
-                with self._renewing:
-                    if stop.is_set():
-                        return
-                    started = time.monotonic()
-                    try:
-                        self._lease.renew()
-                        self._valid_until = started + self.ttl_s * 2 / 3
-                    except LeaseHeld:
-                        self._valid_until = 0.0
-                        log.error("lost the lock %s (a renewal came too late); its holder stops at its next write",
-                                  self.path)
-                        return
-                    except Exception as e:   # the store down a while: try again at the next tick
-                        log.warning("could not renew the lock %s: %s", self.path, e)
+            while not stop.wait(self.ttl_s / 3) and self._renew(stop):
+                pass
 
         self._thread = threading.Thread(target=renew, daemon=True, name=f"lease-{self.path.name}")
         self._thread.start()
+
+    def _renew(self, stop: threading.Event) -> bool:
+        """One renewal, the renewal thread's tick; False when renewing ends (released, or the lease lost)."""
+        with self._renewing:
+            if stop.is_set():
+                return False
+            started = time.monotonic()
+            try:
+                self._lease.renew()
+                self._valid_until = started + self.ttl_s * 2 / 3
+            except LeaseHeld:
+                self._valid_until = 0.0
+                log.error("lost the lock %s (a renewal came too late); its holder stops at its next write",
+                          self.path)
+                return False
+            except Exception as e:   # the store down a while: try again at the next tick
+                log.warning("could not renew the lock %s: %s", self.path, e)
+            return True
 
     def release(self, force: bool = False) -> None:
         with self._guard:

@@ -278,3 +278,55 @@ def test_a_lease_lock_is_renewed_while_held_and_refuses_writes_once_it_lapsed(s3
     other.acquire(timeout=30)                         # expired: the next holder takes it
     other.release()
     assert other._thread is None                      # the renewal thread is joined on release
+
+
+@pytest.mark.parametrize("renewal", ["succeeds", "fails"])
+def test_a_lapsed_lease_lock_waits_for_the_renewal_in_flight_and_follows_its_outcome(s3env, renewal):
+    """The validity window closes while a renewal is in flight (the store slow, or down for a few
+    seconds): assert_held waits for it, then passes if it renewed and raises LeaseHeld if it lost the lease."""
+    from buffer.store import LeaseLock, store_path
+
+    bucket = s3env.create_bucket(f"inflight-{uuid.uuid4().hex[:8]}")
+    lock = LeaseLock(store_path(f"s3://{bucket}/run") / "buffer.lock", ttl_s=600.0)   # the thread's tick: 200 s
+    lock.acquire()
+    renew, entered, answer = lock._lease.renew, threading.Event(), threading.Event()
+
+    def slow_renew():                                 # the store answers when the test says so
+        entered.set()
+        answer.wait(60)
+        if renewal == "fails":
+            raise LeaseHeld("another trainer took the lease")
+        renew()
+
+    lock._lease.renew = slow_renew
+    try:
+        renewing = threading.Thread(target=lock._renew, args=(lock._stop,))   # the thread's tick, driven here
+        renewing.start()
+        assert entered.wait(60)
+        lock._valid_until = time.monotonic() - 1.0   # the window closes while the renewal is in flight
+        outcome = []
+
+        def check():
+            try:
+                lock.assert_held()
+                outcome.append("held")
+            except LeaseHeld as e:
+                outcome.append(e)
+
+        checking = threading.Thread(target=check)
+        checking.start()
+        checking.join(1.0)
+        assert checking.is_alive() and outcome == []  # neither raised nor returned: it waits for the renewal
+        answer.set()
+        renewing.join(60)
+        checking.join(60)
+        if renewal == "succeeds":
+            assert outcome == ["held"]
+            lock.assert_held()                        # valid for 2/3 of the lease from the renewal's start
+        else:
+            assert len(outcome) == 1 and isinstance(outcome[0], LeaseHeld), outcome
+            assert "the lease of this process lapsed" in str(outcome[0])
+    finally:
+        answer.set()
+        lock._lease.renew = renew
+        lock.release()
