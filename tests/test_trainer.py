@@ -6,14 +6,16 @@ import math
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from buffer import BufferSQL
+from conftest import kill_9_at_pause
 from helpers.trainer_fixtures import (REPO, env, model_folder, newest_checkpoint, sampled,  # noqa: F401
-                                      trainer_cmd, write_buffer)
+                                      trainer_args, trainer_cmd, write_buffer)
 from helpers.trainer_rollouts import make_prompts, mean_reward
 from workers.grpo import PolicyLossConfig
 from workers.trainer import TrainerConfig, TrainerError, run_trainer
@@ -207,24 +209,21 @@ def _consumed_by_step(run):
 
 @pytest.mark.slow
 def test_kill_9_mid_step_then_resume_continues_exactly(tmp_path, model_folder, caplog):  # noqa: F811
-    """kill -9 right after the pull of step 5 (checkpoint at 3); the resumed run equals an unbroken one."""
+    """kill -9 in the middle of step 5, after its pull (checkpoint at 3); the resumed run equals an unbroken one."""
     groups = [g for g in sampled(str(model_folder), 48) if len({c.reward for c in g.completions}) > 1][:16]
-    # 4 epochs of 4 micro-batches make a step long enough (~0.2 s) for the kill to land inside it.
+    # 4 epochs of 4 micro-batches: the resumed step reshuffles its epochs exactly as the unbroken one.
     cfg = dict(groups_per_step=2, num_iterations=4, micro_batch_size=4, checkpoint_every=3, num_threads=1,
                metrics_flush_seconds=0.0)
     broken, whole = tmp_path / "broken", tmp_path / "whole"
     write_buffer(broken, groups)
     shutil.copytree(broken, whole)
 
-    proc = subprocess.Popen(trainer_cmd(broken, model_folder, cfg, "--offline"), cwd=REPO, env=env(),
-                            stderr=subprocess.DEVNULL)
+    # The trainer pauses inside step 5 (trainer_pause.py) and is killed there: no race with the step's end.
+    marker = tmp_path / "paused"
+    kill_9_at_pause([sys.executable, str(REPO / "tests" / "helpers" / "trainer_pause.py"), "5", str(marker),
+                     *trainer_args(broken, model_folder, cfg, "--offline")], marker, timeout=240)
     ledger = broken / "buffer" / "ledger"
-    deadline = time.time() + 120
-    while not (ledger / "step-000000005-0000.parquet").exists():
-        assert proc.poll() is None and time.time() < deadline, "trainer ended before step 5"
-        time.sleep(0.002)
-    proc.kill()
-    proc.wait()
+    assert (ledger / "step-000000005-0000.parquet").exists()     # step 5's pull is recorded
     metrics_steps = BufferSQL(broken).query("SELECT step FROM metrics").column("step").to_pylist()
     assert max(metrics_steps) == 4            # killed mid-step 5: pulled, not finished
 

@@ -47,9 +47,13 @@ def write_buffer(run: Path, groups, versions: list[int] | None = None) -> Path:
     return run / "buffer"
 
 
+def trainer_args(run: Path, model: Path, config: dict, *flags: str) -> list[str]:
+    """The trainer CLI's arguments (without the command: see trainer_cmd, and trainer_pause.py)."""
+    return ["--run-dir", str(run), "--model-folder", str(model), "--config", json.dumps(config), *flags]
+
+
 def trainer_cmd(run: Path, model: Path, config: dict, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "workers.trainer.main", "--run-dir", str(run), "--model-folder", str(model),
-            "--config", json.dumps(config), *flags]
+    return [sys.executable, "-m", "workers.trainer.main", *trainer_args(run, model, config, *flags)]
 
 
 def env() -> dict:
