@@ -261,7 +261,10 @@ def test_compactor_daemon_merges_every_kind_while_a_trainer_pulls_and_readers_qu
                 errors.append(repr(e))
         out, err = trainer.communicate(timeout=60)
         assert trainer.returncode == 0, err
-        time.sleep(1.5)                                    # one more pass after the trainer's last files
+        # The daemon's next passes merge the trainer's last files: wait for them (as test_compactor does).
+        deadline = time.time() + 60
+        while not _few_live(live_files(run_dir)) and comp.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
     finally:
         comp.send_signal(signal.SIGTERM)
         comp.communicate(timeout=30)
@@ -271,12 +274,16 @@ def test_compactor_daemon_merges_every_kind_while_a_trainer_pulls_and_readers_qu
     assert BufferSQL(run_dir).query("SELECT count(*) n, count(DISTINCT step) d FROM metrics").to_pylist() == [
         {"n": 80, "d": 80}]
     live = live_files(run_dir)
-    assert live["ledger"] <= 3 and live["metrics"] <= 3 and live["shards"] <= 3, live
+    assert _few_live(live), live
     again = _pull_steps(run_dir / "buffer", 20, n=4, first_step=41, as_of_step=40)   # resume at step 40
     assert _consumed_counts(run_dir) == (240, 240)
     assert len(set(sum(again, []))) == 80
     with Sampler(run_dir / "buffer") as s:
         assert s.counts(0, None)["consumed"] == 240
+
+
+def _few_live(live: dict) -> bool:
+    return live["ledger"] <= 3 and live["metrics"] <= 3 and live["shards"] <= 3
 
 
 def _consumed_counts(run) -> tuple[int, int]:
