@@ -4,9 +4,11 @@ reward errors, admission control, weight reloads, SIGTERM flush, bad input."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +56,39 @@ def wait_for(cond, timeout: float, what: str):
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class LogLines:
+    """A process's log (its stderr) read line by line as it comes, by a thread, so a test can wait for a line."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, timeout: float, start: int = 0) -> int:
+        """The index of the first line from `start` on that matches the regex `pattern`, once it is there."""
+        deadline = time.time() + timeout
+        while True:
+            ended = not self._thread.is_alive()          # read before the lines: none can come after
+            lines = self.lines[:]
+            for i in range(start, len(lines)):
+                if re.search(pattern, lines[i]):
+                    return i
+            start = len(lines)
+            assert not ended and time.time() < deadline, (
+                f"no line matching {pattern!r} after {timeout:.0f} s{' (the log ended)' if ended else ''}:\n"
+                + "".join(lines[-20:]))
+            time.sleep(0.1)
+
+    def text(self, timeout: float = 60) -> str:
+        """The whole log, once the process closed it."""
+        self._thread.join(timeout)
+        return "".join(self.lines)
 
 
 def q(run: Path, sql: str) -> list[dict]:
@@ -105,9 +140,10 @@ def test_admission_stops_at_the_staleness_budget(tmp_path, tiny):
     p = start_generator(run)
     try:
         wait_for(lambda: list((run / "buffer" / "writers").glob("*")), 120, "the generator to start")
-        time.sleep(10)
-        admitted = q(run, "SELECT count(*) n FROM groups WHERE NOT filtered")[0]["n"]
-        assert admitted == 3
+        admitted = lambda: q(run, "SELECT count(*) n FROM groups WHERE NOT filtered")[0]["n"]  # noqa: E731
+        wait_for(lambda: admitted() >= 3, 120, "three admitted groups")
+        time.sleep(2)            # time to admit a fourth, which it must not
+        assert admitted() == 3
         assert p.poll() is None  # waiting, not exited
     finally:
         p.send_signal(signal.SIGTERM)
@@ -123,15 +159,19 @@ def test_reloads_new_weights_and_sigterm_flushes(tmp_path, tiny):
     run = make_run(tmp_path, tiny, "trainer.max_staleness=none", "generator.flush_groups=100000",
                    "generator.flush_seconds=100000")
     p = start_generator(run)
+    log = LogLines(p.stderr)
     try:
-        wait_for(lambda: list((run / "buffer" / "writers").glob("*")), 120, "the generator to start")
-        time.sleep(3)
+        # A progress line comes after a batch: groups of v0 were appended, and none is flushed yet.
+        log.wait_for(r"generator \S+: v0, [1-9]\d* groups", 240)
         assert not list((run / "buffer" / "shards").glob("*.parquet"))
         WeightStore(run / "weights").publish(load_model(tiny), load_tokenizer(tiny), 1)
-        time.sleep(6)
+        reloaded = log.wait_for("reloaded weights v0 -> v1", 240)
+        log.wait_for(r"generator \S+: v1, \d+ groups", 240, start=reloaded)   # and a batch of v1 after it
     finally:
         p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=60)
+        p.wait(timeout=60)
+        p.stdout.close()
+    err = log.text()
     assert p.returncode == 0, err
     assert "reloaded weights v0 -> v1" in err
     versions = {x["version"]: x["n"] for x in q(run, "SELECT version, count(*) n FROM groups GROUP BY 1")}
