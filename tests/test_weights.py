@@ -73,20 +73,32 @@ def test_reader_never_sees_a_partial_folder(tmp_path, model_and_tok, model_folde
     store.publish(model, tok, 0)
     stop = tmp_path / "stop"
     reader = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "trainer_weights_reader.py"),
-                               str(store.root), str(stop), "120"], env=env(), stdout=subprocess.PIPE, text=True)
+                               str(store.root), str(stop), "240"], env=env(), stdout=subprocess.PIPE, text=True)
     assert reader.stdout.readline().strip() == "ready"
-    t0 = time.time()
+    publish_s = 0.0
     with torch.no_grad():
         for v in range(1, 41):
             model.model.norm.weight.add_(0.01)  # each version differs
+            t0 = time.time()
             store.publish(model, tok, v)
             store.prune(2)
-    publish_s = (time.time() - t0) / 40
+            publish_s += (time.time() - t0) / 40
+            if v % 4 == 0:                      # paced on the reader: it reads every 4th version whole
+                _wait_until_seen(reader, v)
     stop.touch()
     result = json.loads(reader.stdout.read().splitlines()[-1])
     reader.wait(timeout=30)
     assert result["bad"] == 0, result["messages"]
-    assert result["versions_seen"] >= 10, result   # it really read during the publications
+    assert result["versions_seen"] >= 10, result   # it really read during the publications (the pacing's 4, 8, ...)
     assert store.versions() == [39, 40] and store.latest() == 40
     assert list(store.tmp.iterdir()) == []
     assert publish_s < 1.0
+
+
+def _wait_until_seen(reader: subprocess.Popen, version: int) -> None:
+    """Read the reader's "seen V" lines until it has read `version` (LATEST names it until the next publication)."""
+    while True:
+        line = reader.stdout.readline()
+        assert line.startswith("seen "), f"the reader stopped before it read v{version}: {line!r}"
+        if int(line.split()[1]) >= version:
+            return

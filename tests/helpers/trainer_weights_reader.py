@@ -4,7 +4,8 @@ Polls LATEST like a generator and checks the folder it names: every expected
 file present, config.json parses, the safetensors header and every tensor's
 bytes are readable. A folder that vanished in between (pruned) counts as
 `gone`, not as bad. Runs until STOP_FILE exists (or SECONDS pass); prints "ready"
-at start and one JSON line at the end.
+at start, "seen V" the first time it read version V whole (so a publisher can pace
+itself on the reader), and one JSON line at the end.
 """
 
 import json
@@ -47,6 +48,8 @@ while time.time() < end and not stop_file.exists():
             for k in f.keys():
                 f.get_tensor(k)
         reads += 1
+        if version not in seen:
+            print(f"seen {version}", flush=True)
         seen.add(version)
     except FileNotFoundError:
         if folder.exists():
