@@ -16,16 +16,19 @@ from conftest import run_helper
 def test_three_writers_and_a_reader(tmp_path):
     buf = tmp_path / "buffer"
     BufferDir(buf, create=True)
-    reader = run_helper("reader_proc.py", str(buf), "6")
+    stop = tmp_path / "stop"
+    reader = run_helper("reader_proc.py", str(buf), str(stop), "10")
+    assert reader.stdout.readline().strip() == "ready"   # it queries from before the first write to after the last
     writers = [run_helper("writer_proc.py", str(buf), f"g{i}", "300", "5", str(tmp_path / f"log{i}"))
                for i in range(3)]
     for w in writers:
         out, err = w.communicate(timeout=120)
         assert w.returncode == 0, err
+    stop.touch()
     out, err = reader.communicate(timeout=120)
     r = json.loads(out.strip().splitlines()[-1])
     assert r["errors"] == 0 and r["wrong"] == 0, r
-    assert r["queries"] >= 10
+    assert r["queries"] >= 10, r                          # fewer: it stopped at its deadline
     (final,) = BufferSQL(buf).query("SELECT count(*) AS rows, count(DISTINCT group_id) AS groups, "
                                     "count(DISTINCT writer_id) AS writers FROM rollouts").to_pylist()
     assert final == {"rows": 900 * 8, "groups": 900, "writers": 3}
@@ -70,20 +73,23 @@ def test_kill_9_during_flushes_loses_no_flushed_group(tmp_path):
 def test_compaction_during_continuous_queries(tmp_path):
     buf = tmp_path / "buffer"
     BufferDir(buf, create=True)
+    stop = tmp_path / "stop"
+    reader = run_helper("reader_proc.py", str(buf), str(stop), "10")
+    assert reader.stdout.readline().strip() == "ready"   # it queries during every compaction round below
     writer = run_helper("writer_proc.py", str(buf), "c", "600", "3", str(tmp_path / "log"))
-    reader = run_helper("reader_proc.py", str(buf), "6")
     rounds = 0
-    end = time.time() + 5
-    while time.time() < end:
+    deadline = time.time() + 120
+    while (writer.poll() is None or rounds < 10) and time.time() < deadline:   # while it writes, 10 rounds at least
         compact(buf, target_groups=64, min_age_s=0.0, grace_s=0.3)
         rounds += 1
         time.sleep(0.1)
+    stop.touch()
     _, err = writer.communicate(timeout=120)
     assert writer.returncode == 0, err
     out, _ = reader.communicate(timeout=120)
     r = json.loads(out.strip().splitlines()[-1])
     assert r["errors"] == 0 and r["wrong"] == 0, r
-    assert rounds > 5
+    assert rounds >= 10 and r["queries"] >= 10, (rounds, r)   # fewer: a deadline ended them
     time.sleep(0.4)
     report = compact(buf, target_groups=64, min_age_s=0.0, grace_s=0.3)
     (final,) = BufferSQL(buf).query("SELECT count(*) AS rows, count(DISTINCT group_id) AS groups "
