@@ -211,9 +211,18 @@ def test_admission_counts_neither_filtered_nor_expired_groups(buf):
     from workers.stop import StopFlag
 
     stop = StopFlag(install_signals=False)
-    threading.Timer(0.5, stop.set).start()
+    wait = stop.wait
+
+    def wait_then_stop(seconds=None):     # the stop comes 0.5 s after the admission's first wait began
+        if not timers:
+            timers.append(threading.Timer(0.5, stop.set))
+            timers[0].start()
+        return wait(seconds)
+
+    timers = []
+    stop.wait = wait_then_stop
     allowance, waited = _admit(buf, writer, trainable, t=1, max_staleness=0, stop=stop)
-    assert allowance == 0 and waited >= 0.4 and writer.pending_groups == 0
+    assert allowance == 0 and waited >= 0.45 and writer.pending_groups == 0   # 0.5 s, less clock rounding
     assert len(GroupIndex(buf)) == 3 + 5 + 3
     # Staleness 2 at v1: limit (2 + 1 + 1) * 2 = 8; admitted 2 consumed + 1 v0 (not expired) + 2 of v1.
     assert _admit(buf, writer, trainable, t=1, max_staleness=2)[0] == 3

@@ -2,7 +2,7 @@ import json
 import math
 import multiprocessing as mp
 import os
-import time
+import types
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -81,14 +81,20 @@ def test_flush_every_n_groups_and_on_close(buf, background):
     assert [p.name for p in w.shards_written] == [f"{w.writer_id}-00000{i}.parquet" for i in range(3)]
 
 
-def test_flush_after_t_seconds(buf):
-    w = ShardWriter(buf, flush_groups=100, flush_seconds=0.2)
+def test_flush_after_t_seconds(buf, monkeypatch):
+    import buffer.writer as writer_module
+
+    # The writer's clock moves only when the test moves it: "not yet due" cannot turn into "due" on a slow machine.
+    now = [1000.0]
+    monkeypatch.setattr(writer_module, "time", types.SimpleNamespace(time=lambda: now[0]))
+    w = ShardWriter(buf, flush_groups=100, flush_seconds=1.0)
     w.append(make_group(0, [1, 0]))
+    now[0] += 0.5
     assert w.flush_if_due() is None and not w.shards_written
-    time.sleep(0.25)
+    now[0] += 0.5
     assert w.flush_if_due() is not None
     w.append(make_group(0, [1, 0]))
-    time.sleep(0.25)
+    now[0] += 1.0
     w.append(make_group(0, [1, 0]))  # the append itself notices the oldest group is due
     assert len(w.shards_written) == 2 and w.pending_groups == 0
 

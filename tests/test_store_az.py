@@ -88,8 +88,8 @@ def test_writes_wait_for_the_endpoint_to_come_back(root, azenv):
     store = open_store(root, retry_s=30)
     store.publish("a", b"1")
     azenv.relay.down()
+    started = time.monotonic()                         # before the timer: the write waits >= 2 s from here
     threading.Timer(2.0, azenv.relay.up).start()
-    started = time.monotonic()
     assert store.put_new("b", b"2") is True
     assert 1.5 < time.monotonic() - started < 20
     assert store.read("b") == b"2"
