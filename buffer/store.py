@@ -1003,15 +1003,20 @@ class LeaseLock:
                     time.sleep(poll_interval or self.poll_s)
             self._valid_until = started + self.ttl_s * 2 / 3
             self._count = 1
-            self._start_renewing()
+            self._start_renewing(started)
             return self
 
-    def _start_renewing(self) -> None:
+    def _start_renewing(self, started: float) -> None:
         stop = self._stop = threading.Event()
 
         def renew():
-            while not stop.wait(self.ttl_s / 3) and self._renew(stop):
-                pass
+            # Renewals start ttl_s / 3 apart, start to start: one slowed by an outage (retries) must not push
+            # the next past the end of the window it opened, where assert_held would find none in flight.
+            last = started
+            while not stop.wait(max(0.0, last + self.ttl_s / 3 - time.monotonic())):
+                last = time.monotonic()
+                if not self._renew(stop):
+                    return
 
         self._thread = threading.Thread(target=renew, daemon=True, name=f"lease-{self.path.name}")
         self._thread.start()
