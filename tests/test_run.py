@@ -65,7 +65,7 @@ def test_short_default_run_learns_and_keeps_the_invariants(tmp_path):
     run = tmp_path / "r"
     # Stopped by steps, not time, so a slow or busy machine trains as much as a fast one.
     p = start_run(run, "trainer.max_steps=60", "run.time_limit_s=none", "run.eval_size=200")
-    out, _ = p.communicate(timeout=600)
+    out, _ = p.communicate(timeout=1200)   # ~180 s on 2 idle cores
     assert p.returncode == 0, out
     info = json.loads((run / "run.json").read_text())
     s = info["summary"]
