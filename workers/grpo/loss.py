@@ -169,9 +169,8 @@ def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
 
     entropy = bonus = None
     if inputs.logits is not None:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coef > 0):
-            logits = inputs.logits if config.entropy_coef > 0 else inputs.logits.detach()
-            entropy = torch.where(m, entropy_from_logits(logits, inputs.temperature, _ENTROPY_CHUNK_ROWS)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coef > 0):   # else a metric only
+            entropy = torch.where(m, entropy_from_logits(inputs.logits, inputs.temperature, _ENTROPY_CHUNK_ROWS)
                                   .to(new.dtype), 0.0)                 # (B, T)
         if config.entropy_coef > 0:
             bonus = aggregate(entropy, m, config.loss_agg_mode, normalizer)
