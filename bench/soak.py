@@ -30,7 +30,11 @@ speed by three subprocesses through the project's public entry points:
   successful pull (perf_counter around `Sampler.pull`) and at every tenth of
   `--steps` writes that window's pull percentiles to a small JSON file.
 - COMPACTOR: the real daemon, `python -m pipeline compactor --run <run> --set
-  compactor.every_s=5 --set compactor.min_age_s=2 --set compactor.grace_s=10`,
+  compactor.every_s=5 --set compactor.min_age_s=2 --set compactor.grace_s=10
+  --set compactor.nice=0` (the writer and the sampler here run flat out, as no
+  real run's daemons do, so a compactor that yielded the CPU to them would
+  measure the split of the CPU, not the compactor; the real part runs the
+  default priority),
   stopped with SIGTERM at the end (whatever it compacts, shards or ledger,
   this bench sees through the public listings below).
 
@@ -142,7 +146,7 @@ PULL_RETRY_S = 0.002       # the trainer's sleep after a pull that found too few
 WRITER_POLL_S = 0.001      # the writer's sleep while admission holds it back
 HEARTBEAT_S = 0.5          # trainer / writer progress files
 STALL_S = 300.0            # no trainer step for this long: the bench stops with an error
-COMPACTOR_SETTINGS = ["compactor.every_s=5", "compactor.min_age_s=2", "compactor.grace_s=10"]
+COMPACTOR_SETTINGS = ["compactor.every_s=5", "compactor.min_age_s=2", "compactor.grace_s=10", "compactor.nice=0"]
 AGGREGATE_SQL = "SELECT version, avg(reward) AS reward FROM rollouts GROUP BY version"
 # The same answer from the version_stats table (the shards' footer sums, buffer/stats.py): no row scan.
 STATS_SQL = "SELECT version, sum(reward_sum) / sum(completions) AS reward FROM version_stats GROUP BY version"

@@ -28,6 +28,7 @@ local files go to this machine's work folder instead (workers.remote_weights.wor
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -44,10 +45,14 @@ from buffer.layout import BufferDir, atomic_write_bytes
 from buffer.store import RemotePath, as_path
 from pipeline.children import cli_argv
 from pipeline.errors import RunError
+from workers.proc import lower_priority
 from workers.remote_weights import work_dir
 
 log = logging.getLogger("asyncgrpo.track")
 PLOT_TIMEOUT_S = 600        # a plot that takes longer is given up (and tried again at the next interval)
+# The periodic plot's niceness: its ~6 s of CPU (late in a 60-minute run on 2 cores) every plot_every_s
+# then runs in the daemons' gaps instead of taking turns with a generator that the trainer waits for.
+PLOT_NICE = 10
 SAMPLES_PER_TABLE = 8       # completions in each samples/completions table (up to 4 per group)
 SAMPLE_COLUMNS = ("version", "prompt", "completion", "reward", "correct", "finish_reason")
 
@@ -365,7 +370,8 @@ def write_run_plot(run_dir: Path) -> None:
     minutes 30 and 60 of a 60-minute run, plotting every 180 s)."""
     if not BufferDir.is_buffer(run_dir / "buffer"):
         return
-    r = subprocess.run(cli_argv("plot", str(run_dir)), capture_output=True, text=True, timeout=PLOT_TIMEOUT_S)
+    r = subprocess.run(cli_argv("plot", str(run_dir)), capture_output=True, text=True, timeout=PLOT_TIMEOUT_S,
+                       preexec_fn=functools.partial(lower_priority, PLOT_NICE))
     if r.returncode != 0:
         lines = (r.stderr or r.stdout).strip().splitlines()
         raise RuntimeError(f"asyncgrpo plot exited with {r.returncode}: {lines[-1] if lines else 'no output'}")

@@ -97,6 +97,10 @@ class CompactorConfig:
     min_free_gb: float | None = 1.0
     """Warn (at most every 10 minutes) when the run directory's filesystem has less than this many GB
     free, > 0. None: no check."""
+    nice: int = 10
+    """How much lower the compactor daemon's CPU priority is than the other daemons' (added to its
+    niceness, Unix; 0-19): on cores the trainer and generators keep busy, its merges then run in
+    their gaps rather than taking turns with them. 0: the same priority."""
 
     def __post_init__(self) -> None:
         require(self, "every_s", self.every_s is None or is_num(self.every_s, 0, lo_open=True),
@@ -111,6 +115,7 @@ class CompactorConfig:
         require(self, "keep_versions", self.keep_versions is None or is_int(self.keep_versions, 0),
                 "an integer >= 0 (at least trainer.max_staleness), or none (keep everything)")
         require(self, "retention", self.retention in ACTIONS, "'archive' or 'delete'")
+        require(self, "nice", is_int(self.nice, 0, 19), "an integer from 0 to 19")
         require(self, "disk_budget_gb", self.disk_budget_gb is None or is_num(self.disk_budget_gb, 0, lo_open=True),
                 "a number of GB > 0, or none (no budget)")
         require(self, "min_free_gb", self.min_free_gb is None or is_num(self.min_free_gb, 0, lo_open=True),

@@ -165,6 +165,7 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
     scheduler = PromptScheduler(task.train, cfg.scheduler, seed=seed)
     scheduler.load_history(run / "buffer")
     trainable = TrainableShare()
+    gate = AdmissionGate(index, writer, trainable, admission, store, cfg, stats, local=isinstance(run, Path))
     totals = {"groups": 0, "filtered": 0, "tokens": 0, "reward_errors": 0, "admission_wait_s": 0.0,
               "surplus_groups": 0}
     last_log = time.time()
@@ -173,7 +174,7 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
         while not stop:
             t_start = time.time()
             version, reload_s = _timed_reload(store, backend, version, generator_id)
-            allowance, waited = _admit(index, writer, trainable, admission, store, stop, cfg, stats)
+            allowance, waited = gate.wait(stop)
             totals["admission_wait_s"] += waited
             if stop:
                 stats.add(batch=stats.batches + 1, version=version, started_at=t_start, wait_s=waited,
@@ -237,12 +238,14 @@ class TrainableShare:
     def __init__(self, window: int = 256):
         self.recent: deque[bool] = deque(maxlen=window)
         self.pending: deque[bool] = deque(maxlen=100_000)   # appended groups, newest last
+        self.appended_trainable = 0                        # trainable groups appended so far
 
     def record(self, trainable: bool) -> None:
         self.recent.append(trainable)
 
     def appended(self, trainable: bool) -> None:
         self.pending.append(trainable)
+        self.appended_trainable += trainable
 
     def share(self) -> float:
         """Share of trainable groups among recent ones; 1.0 before any (no over-sampling yet)."""
@@ -315,9 +318,8 @@ def _timed_reload(store, backend, version: int, generator_id: str) -> tuple[int,
     return new, (time.time() - t0 if new != version else 0.0)
 
 
-def _admit(index, writer, trainable: TrainableShare, admission: Admission, store, stop: StopFlag,
-           cfg: GeneratorConfig, stats: GeneratorStats) -> tuple[int | None, float]:
-    """Wait until the trainer may use more groups; (trainable groups allowed now or None, seconds waited).
+class AdmissionGate:
+    """Whether this generator may start a batch now, and how many trainable groups it may add.
 
     AReaL's rule (buffer.admission_limit): at trainer version t at most
     (max_staleness + t + 1) * groups_per_step groups may have been admitted, where
@@ -328,34 +330,85 @@ def _admit(index, writer, trainable: TrainableShare, admission: Admission, store
     allowance to a few prompts per batch when many groups are filtered; counting
     expired ones would leave a step short for ever once any group expired. Before
     waiting, unflushed groups are written: the trainer may be waiting for them.
-    """
-    from buffer import admission_limit
 
-    t0 = time.time()
-    delays = poll_delays(cfg.poll_seconds)
-    while not stop:
-        t = store.latest() or 0
-        limit = admission_limit(t, admission.max_staleness, admission.groups_per_step)
-        if limit is None:
-            return None, time.time() - t0
+    A check refreshes the group index: 9 ms a batch (median) late in a 60-minute run on
+    2 cores, a tenth of its ~92 ms batches. So a check's answer is spent by the batches
+    that follow it: while what is left of it (its allowance less the trainable groups
+    appended since) still fills a whole batch, and for at most poll_seconds, a batch
+    starts without a check. With one writer that changes nothing: only its own appends
+    lower the allowance (a newer version raises the limit, and expiry lowers the count),
+    and a check would have sized the batch alike. Other writers' groups appended
+    meanwhile go unseen for at most poll_seconds, as two writers that check at once miss
+    each other's. Lockstep (max_staleness 0) checks before every batch.
+
+    While the limit is reached, only LATEST is read (every 10 ms, doubling up to 50 ms on
+    a local run; up to poll_seconds on an object store), with a check when it names a new
+    version and at least every poll_seconds otherwise: until the trainer publishes, the
+    count can fall only in rare cases (a shard in flight counted twice, a quarantined
+    shard). Looking at LATEST that often rather than checking every poll_seconds is what
+    lets the generator start its next batch soon after a publish.
+    """
+
+    def __init__(self, index, writer, trainable: TrainableShare, admission: Admission, store,
+                 cfg: GeneratorConfig, stats: GeneratorStats, *, local: bool = True):
+        self.index, self.writer, self.trainable, self.admission = index, writer, trainable, admission
+        self.store, self.cfg, self.stats = store, cfg, stats
+        self.look_seconds = min(cfg.poll_seconds, 0.05) if local else cfg.poll_seconds
+        self.checks = 0                                # index refreshes so far
+        self._grant: tuple[int, int, float] | None = None   # (allowance, appended trainable, monotonic time)
+
+    def wait(self, stop: StopFlag) -> tuple[int | None, float]:
+        """Wait until the trainer may use more groups; (trainable groups allowed now or None, seconds waited)."""
+        from buffer import admission_limit
+
+        left = self._spend()
+        if left is not None:
+            return left, 0.0
+        t0 = time.time()
+        delays = poll_delays(self.look_seconds)
+        checked: tuple[int, float] | None = None      # (version, monotonic time) of the last check
+        while not stop:
+            t = self.store.latest() or 0
+            limit = admission_limit(t, self.admission.max_staleness, self.admission.groups_per_step)
+            if limit is None:
+                return None, time.time() - t0
+            if checked is None or checked[0] != t or time.monotonic() - checked[1] >= self.cfg.poll_seconds:
+                allowance = limit - self._admitted(t)
+                checked = (t, time.monotonic())
+                if allowance > 0:
+                    if self.admission.max_staleness:
+                        self._grant = (allowance, self.trainable.appended_trainable, checked[1])
+                    return allowance, time.time() - t0
+                if self.writer.pending_groups:
+                    self.writer.flush()
+                self.stats.flush_if_due()
+            stop.wait(next(delays))
+        return 0, time.time() - t0
+
+    def _spend(self) -> int | None:
+        """What is left of the last check's allowance, if it still fills a whole batch and is fresh."""
+        if self._grant is None:
+            return None
+        allowance, appended, at = self._grant
+        left = allowance - (self.trainable.appended_trainable - appended)
+        if (time.monotonic() - at >= self.cfg.poll_seconds
+                or _batch_size(self.cfg, left, self.trainable) < self.cfg.prompts_per_batch):
+            self._grant = None
+            return None
+        return left
+
+    def _admitted(self, t: int) -> int:
         # Shards in flight are counted with the unflushed groups, before the index looks: one made
         # visible in between is counted twice (admission errs on the safe side), none is missed.
         # Waiting for them instead (writer.wait) put each shard's encode, fsync and rename on the
         # generator's path: the check took 10.5 ms a batch against 5.8 ms (medians, 2 cores, on the
         # buffer of a 60-minute run; the rest is the index's refresh), with batches of ~85 ms.
-        writer.reap()
-        pending = trainable.pending_trainable(writer.pending_groups)
-        index.refresh()
-        counts = index.counts(t, admission.max_staleness, by_version=False)
-        admitted = counts["admitted"] - counts["expired"] - counts["unavailable"] + pending
-        if admitted < limit:
-            return limit - admitted, time.time() - t0
-        if writer.pending_groups:
-            writer.flush()
-            continue
-        stats.flush_if_due()
-        stop.wait(next(delays))
-    return 0, time.time() - t0
+        self.writer.reap()
+        pending = self.trainable.pending_trainable(self.writer.pending_groups)
+        self.index.refresh()
+        self.checks += 1
+        counts = self.index.counts(t, self.admission.max_staleness, by_version=False)
+        return counts["admitted"] - counts["expired"] - counts["unavailable"] + pending
 
 
 def _score_group(prompt, prompt_ids, rollouts, scorer, version: int, task_name: str,

@@ -26,6 +26,13 @@ def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux (bytes on macOS)
 
 
+def lower_priority(increment: int) -> None:
+    """Raise this process's niceness by `increment` (lower its CPU priority); nothing at 0 or where
+    the OS has no niceness. Never needs privileges: only raising it back would."""
+    if increment > 0 and hasattr(os, "nice"):
+        os.nice(increment)
+
+
 def poll_delays(most: float, first: float = 0.01) -> Iterator[float]:
     """Pauses between the looks of a wait: `first` seconds, doubling up to `most`.
 

@@ -26,6 +26,7 @@ from workers.chat import ChatFormat, check_chat_template, encode_prompts
 from workers.compactor import run_compactor
 from workers.generator import Admission, run_generator
 from workers.model import init_model, load_tokenizer
+from workers.proc import lower_priority
 from workers.rewards import Scorer
 from workers.tasks import load_task
 from workers.remote_weights import open_weights
@@ -200,6 +201,7 @@ def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
     cfg = run_config(run_dir, overrides)
     if cfg.compactor.every_s is None:
         raise UserError("compactor.every_s is none (no compactor); set it, e.g. --set compactor.every_s=30")
+    lower_priority(cfg.compactor.nice)
     totals = run_compactor(run_dir, cfg.compactor)
     click.echo(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in totals.items()}))
 
