@@ -1,8 +1,10 @@
-"""Background work runs at a lower CPU priority than the daemons it serves: the compactor daemon
-(compactor.nice) and the supervisor's periodic plot child (trackers.PLOT_NICE)."""
+"""Housekeeping leaves the CPU to the daemons it serves: the compactor daemon (compactor.nice) and
+the supervisor's periodic plot child (trackers.PLOT_NICE) run at a lower priority, and the
+supervisor takes a progress snapshot (an index refresh) only when it shows one."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -16,7 +18,7 @@ from conftest import REPO, make_group, run_cli
 from pipeline import trackers
 from pipeline.config import load_config, save_config
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "nice"), reason="niceness is a Unix notion")
+unix = pytest.mark.skipif(not hasattr(os, "nice"), reason="niceness is a Unix notion")
 
 
 def niceness(pid: int) -> int:
@@ -33,6 +35,7 @@ def make_run(tmp_path):
     return run
 
 
+@unix
 @pytest.mark.parametrize("setting, raised", [(None, 10), ("7", 7), ("0", 0)])
 def test_the_compactor_daemon_lowers_its_priority_by_compactor_nice(tmp_path, setting, raised):
     run = make_run(tmp_path)
@@ -62,6 +65,7 @@ def test_a_bad_compactor_nice_names_the_key(value, need):
     assert r.returncode == 2 and "compactor.nice" in r.stderr and need in r.stderr
 
 
+@unix
 def test_the_periodic_plot_runs_at_a_lower_priority(tmp_path, monkeypatch):
     run = make_run(tmp_path)
     # The child reports its niceness as its exit status; write_run_plot names it in its error.
@@ -71,3 +75,30 @@ def test_the_periodic_plot_runs_at_a_lower_priority(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=f"asyncgrpo plot exited with {want}:"):
         trackers.write_run_plot(run)
     assert os.nice(0) < want     # this process's own priority is unchanged
+
+
+def test_the_supervisor_takes_a_snapshot_only_when_it_prints_one(monkeypatch):
+    from pipeline.run import _watch
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())   # not a terminal (even under pytest -s): a line every 10 s
+
+    class Sup:
+        run = "runs/x"
+
+        def check(self) -> bool:
+            return True
+
+    class Progress:
+        taken = 0
+
+        def snapshot(self) -> dict:
+            self.taken += 1
+            return {"elapsed_s": 0.0, "step": 0, "version": 0, "reward": None, "accuracy": None,
+                    "staleness": None, "groups": 0, "eligible": 0, "filtered": 0, "expired": 0,
+                    "consumed": 0, "trainer_idle": None}
+
+    progress, lines, why = Progress(), [], {"why": None}
+    started = time.time()
+    _watch(Sup(), progress, time.time() + 3.0, why, lines.append)
+    assert why["why"] == "time limit" and time.time() - started >= 3.0
+    assert progress.taken == 1 and len(lines) == 1 and lines[0].startswith("[    0s] step 0 v0")
