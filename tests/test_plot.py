@@ -10,7 +10,7 @@ import sys
 import pyarrow as pa
 
 from buffer import BufferSQL
-from conftest import CACHE, REPO, run_cli
+from conftest import DEFAULT_RUN_STEPS, REPO, run_cli
 from helpers.observed_run import make_run, read_wandb_history
 
 PANELS = ["reward", "eval", "kl", "clip", "importance", "filtered", "idle", "throughput", "staleness"]
@@ -72,17 +72,10 @@ def test_plot_bad_input_is_exit_code_2(tmp_path):
     assert r.returncode == 2 and "not a buffer or run directory" in r.stderr
 
 
-def test_run_feeds_tensorboard_and_wandb_and_writes_its_plots(tmp_path, monkeypatch):
-    """A real short run of the default job: the trackers get every step the trainer wrote, and the run ends
-    with plot.png, every panel drawn."""
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    run = tmp_path / "r"
-    args = [sys.executable, "-m", "pipeline", "run", "--run", str(run), "--set", f"model.cache_dir={CACHE}"]
-    for s in ("trainer.max_steps=16", "run.time_limit_s=none", "run.eval_size=20", 'run.report_to=["tensorboard", "wandb"]',
-              "run.track_every_s=1", "run.plot_every_s=2"):
-        args += ["--set", s]
-    p = subprocess.run(args, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
-                       timeout=900)
+def test_run_feeds_tensorboard_and_wandb_and_writes_its_plots(default_run):
+    """A real run of the default job (the one tests/test_run.py checks): the trackers get every step the
+    trainer wrote, and the run ends with plot.png, every panel drawn."""
+    run, p = default_run
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"plots: {run / 'plot.png'}" in p.stdout
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -91,11 +84,12 @@ def test_run_feeds_tensorboard_and_wandb_and_writes_its_plots(tmp_path, monkeypa
     acc.Reload()
     rows = BufferSQL(run, quarantine=False).query("SELECT step, \"reward/mean\" AS r FROM metrics ORDER BY step")
     f32 = pa.compute.cast(rows.column("r"), pa.float32()).to_pylist()
-    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == list(zip(range(1, 17), f32))
+    steps = range(1, DEFAULT_RUN_STEPS + 1)
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == list(zip(steps, f32))
     assert "generator/idle_share" in acc.Tags()["scalars"]
     (w,) = (run / "trackers" / "wandb" / "wandb").glob("offline-run-*")
     hist = [h for h in read_wandb_history(next(w.glob("run-*.wandb"))) if "reward/mean" in h]
-    assert [(h["_step"], h["reward/mean"]) for h in hist] == list(zip(range(1, 17), rows.column("r").to_pylist()))
+    assert [(h["_step"], h["reward/mean"]) for h in hist] == list(zip(steps, rows.column("r").to_pylist()))
     summary = json.loads((run / "plot.json").read_text())
     assert all(summary["panels"][k]["points"] > 0 for k in PANELS), summary
     assert summary["panels"]["eval"]["points"] == 2   # before and after

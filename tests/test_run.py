@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from buffer import BufferSQL
-from conftest import CACHE, REPO
+from conftest import CACHE, DEFAULT_RUN_STEPS, REPO
 
 
 def start_run(run: Path, *sets: str, options: tuple[str, ...] = ()) -> subprocess.Popen:
@@ -61,11 +61,9 @@ def metrics_steps(run: Path) -> int:
         return 0
 
 
-def test_short_default_run_learns_and_keeps_the_invariants(tmp_path):
-    run = tmp_path / "r"
-    # Stopped by steps, not time, so a slow or busy machine trains as much as a fast one.
-    p = start_run(run, "trainer.max_steps=60", "run.time_limit_s=none", "run.eval_size=200")
-    out, _ = p.communicate(timeout=1200)   # ~180 s on 2 idle cores
+def test_short_default_run_learns_and_keeps_the_invariants(default_run):
+    run, p = default_run   # DEFAULT_RUN_STEPS = 60 steps of the default job (conftest.py), trackers on
+    out = p.stdout + p.stderr
     assert p.returncode == 0, out
     info = json.loads((run / "run.json").read_text())
     s = info["summary"]
@@ -73,7 +71,7 @@ def test_short_default_run_learns_and_keeps_the_invariants(tmp_path):
     # points with torch's default 2 threads a process, +12.5/+14.5/+12.0 with OMP_NUM_THREADS=1.
     # The bar sits at about half the smallest rise, so a machine whose kernels differ still passes.
     assert s["eval_after"] >= s["eval_before"] + 0.06, out
-    assert s["step"] == 60
+    assert s["step"] == DEFAULT_RUN_STEPS == 60
     assert "asyncgrpo sql" in out and "before" in out and "after" in out
     db = BufferSQL(run)
     limit = 2
@@ -82,7 +80,7 @@ def test_short_default_run_learns_and_keeps_the_invariants(tmp_path):
     assert db.query(f"SELECT count(*) n FROM consumed WHERE staleness > {limit}").to_pylist()[0]["n"] == 0
     assert db.query("SELECT count(*) n FROM consumed c JOIN groups g USING (group_id) WHERE g.filtered"
                     ).to_pylist()[0]["n"] == 0
-    assert db.query("SELECT count(*) n FROM consumed").to_pylist()[0]["n"] == 60 * 32
+    assert db.query("SELECT count(*) n FROM consumed").to_pylist()[0]["n"] == DEFAULT_RUN_STEPS * 32
     assert not processes_of(run)
 
 
