@@ -177,11 +177,13 @@ class _NoStats:
 
 
 def _admit(buf: Path, writer, trainable, t: int, max_staleness: int, stop=None):
-    from workers.generator import Admission, GeneratorConfig, _admit
+    """A fresh gate's first answer: always a check (tests/test_generator_admission.py covers its reuse)."""
+    from workers.generator import Admission, AdmissionGate, GeneratorConfig
     from workers.stop import StopFlag
 
-    return _admit(GroupIndex(buf), writer, trainable, Admission(max_staleness, 2), _Store(t),
-                  stop if stop is not None else StopFlag(install_signals=False), GeneratorConfig(poll_seconds=0.01), _NoStats())
+    gate = AdmissionGate(GroupIndex(buf), writer, trainable, Admission(max_staleness, 2), _Store(t),
+                         GeneratorConfig(poll_seconds=0.01), _NoStats())
+    return gate.wait(stop if stop is not None else StopFlag(install_signals=False))
 
 
 def test_admission_counts_neither_filtered_nor_expired_groups(buf):
