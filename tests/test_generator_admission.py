@@ -10,6 +10,7 @@ from buffer import GroupIndex, ShardWriter
 from conftest import make_group
 from workers.generator import Admission, AdmissionGate, GeneratorConfig, TrainableShare
 from workers.generator_stats import GeneratorStats
+from workers.stop import StopFlag
 from workers.weights import LATEST, WeightStore
 
 
@@ -36,18 +37,7 @@ class Setup:
             self.trainable.appended(trainable)
 
     def wait(self) -> tuple[int | None, float]:
-        return self.gate.wait(_NeverStop())
-
-
-class _NeverStop:
-    """A StopFlag that is never set (the gate only reads it and waits on it)."""
-
-    def __bool__(self) -> bool:
-        return False
-
-    def wait(self, seconds: float) -> bool:
-        time.sleep(seconds)
-        return False
+        return self.gate.wait(StopFlag(install_signals=False))
 
 
 def test_a_check_is_spent_by_the_batches_it_fills_then_the_gate_waits_for_the_next_version(tmp_path):
