@@ -8,8 +8,7 @@ of medium difficulty:
 
     history     n <- decay * n + 1,   s <- decay * s + accuracy   (per prompt, per recorded group)
     pass rate   p = s / n             (None while a prompt has no history: "unknown")
-    weight      w(p) = (4 p (1 - p))^k  (Bernoulli variance of a completion's correctness, 1 at
-                p = 1/2, raised to the power k = `sharpness`);
+    weight      w(p) = 4 p (1 - p)    (Bernoulli variance of a completion's correctness, 1 at p = 1/2);
                 w = 1 for unknown prompts, so every prompt gets tried
 
 A prompt with p == 1 is "mastered", with p == 0 "failed" (weight 0). Each draw
@@ -19,15 +18,6 @@ of a batch is one of three kinds:
     retry_prob                    uniform over the mastered and failed prompts, so they are
                                   re-tested as the policy changes
     1 - explore_prob - retry_prob  proportional to w over the other prompts
-
-Why k = 2 by default: late in a run most prompts are nearly mastered. Replaying
-the history of a 30-minute run at k = 1 (`bench/soak.py --minutes 30`, its
-169,000 groups from version 2,500 on), 61% of the draws went to prompts whose
-pass rate was 0.9 or more, and only 13-26% of those groups were trainable,
-against 63-81% for prompts at 0.3-0.8. There are thousands of such prompts, so
-their small weights add up: at k = 1 a prompt at p = 0.95 weighs 0.19 against 1
-at p = 0.5; at k = 2, 0.036, and the draws move to the prompts the policy is
-still learning. k = 1 is the plain variance weight.
 
 History fades in two ways: `history_decay` weighs a prompt's recent groups
 more than its old ones, and `forget_after` drops a prompt's history once that
@@ -68,9 +58,6 @@ class SchedulerConfig:
     retry_prob: float = 0.05
     """Chance that a draw picks among the mastered (pass rate 1) and failed (pass rate 0) prompts,
     so that they are re-tested as the policy changes."""
-    sharpness: float = 2.0
-    """Power k of the weight (4 p (1 - p))^k: higher draws medium prompts more and nearly
-    mastered or failed ones less; 1 is proportional to the completions' variance."""
     history_decay: float = 0.5
     """Weight of a prompt's earlier groups against its newest one, in (0, 1]: at 0.5 the newest
     group counts as much as all earlier ones together; at 1 all count alike."""
@@ -84,15 +71,14 @@ class SchedulerConfig:
         require(self, "retry_prob", is_num(self.retry_prob, 0, 1), "a number in [0, 1]")
         require(self, "retry_prob", self.explore_prob + self.retry_prob <= 1,
                 f"at most 1 - explore_prob = {1 - self.explore_prob:g}")
-        require(self, "sharpness", is_num(self.sharpness, 0, 16, lo_open=True), "a number in (0, 16]")
         require(self, "history_decay", is_num(self.history_decay, 0, 1, lo_open=True), "a number in (0, 1]")
         require(self, "forget_after", self.forget_after is None or is_int(self.forget_after, lo=1),
                 "an integer >= 1, or None (never forget)")
 
 
-def difficulty_weight(pass_rate: np.ndarray, sharpness: float = 1.0) -> np.ndarray:
-    """w(p) = (4 p (1 - p))^sharpness for pass rates p (P,); 0 at p = 0 and p = 1, 1 at p = 1/2."""
-    return (4.0 * pass_rate * (1.0 - pass_rate)) ** sharpness
+def difficulty_weight(pass_rate: np.ndarray) -> np.ndarray:
+    """w(p) = 4 p (1 - p) for pass rates p (P,); 0 at p = 0 and p = 1, 1 at p = 1/2."""
+    return 4.0 * pass_rate * (1.0 - pass_rate)
 
 
 class PromptScheduler:
@@ -218,7 +204,7 @@ class PromptScheduler:
             return self.rng.choice(num, size=k, replace=False).tolist()
         p, known = self._pass_rates()
         decided = known & ((p == 0.0) | (p == 1.0))      # (P,) mastered or failed
-        weight = np.where(decided, 0.0, np.where(known, difficulty_weight(p, self.cfg.sharpness), 1.0))
+        weight = np.where(decided, 0.0, np.where(known, difficulty_weight(p), 1.0))
         free = np.ones(num, dtype=bool)
         explore, retry = self.cfg.explore_prob, self.cfg.retry_prob
         out = []
