@@ -335,6 +335,13 @@ class FsspecStore(Store):
         """Whether `e` says that the bucket does not exist (S3 names it: NoSuchBucket)."""
         return _no_such_bucket(e)
 
+    def _absent(self, e: BaseException, value=None):
+        """`value` for a not-found error `e` (the object is absent), unless it is the bucket that is
+        missing: that is the store's error, raised again."""
+        if self._bucket_missing(e):
+            raise e
+        return value
+
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         """fn(), tried again with backoff (0.2 s doubling to 5 s) while it fails transiently, up to retry_s."""
         deadline, delay, warned = time.monotonic() + self.retry_s, 0.2, False
@@ -374,9 +381,7 @@ class FsspecStore(Store):
             try:
                 return self.fs.ls(key, detail=True, refresh=True)
             except FileNotFoundError as e:
-                if self._bucket_missing(e):
-                    raise
-                return []
+                return self._absent(e, [])
         return self._retry("list", ls)
 
     def list(self, folder: str = "") -> list[Entry]:
@@ -795,9 +800,7 @@ class RemotePath:
             try:
                 return self.store.fs.info(key)
             except FileNotFoundError as e:
-                if self.store._bucket_missing(e):
-                    raise            # a missing bucket is the store's error, not a missing file
-                return None
+                return self.store._absent(e)   # a missing bucket is the store's error, not a missing file
         return self.store._retry("stat", head)
 
     def is_file(self) -> bool:

@@ -107,9 +107,7 @@ class AzureStore(FsspecStore):
             try:
                 return self._sync(get)
             except ResourceNotFoundError as e:
-                if self._bucket_missing(e):
-                    raise
-                return None
+                return self._absent(e)
         return self._retry("read", read)
 
     def replace_if(self, name: str, data: bytes, etag: str | None) -> str | None:
@@ -128,9 +126,7 @@ class AzureStore(FsspecStore):
             except (FileExistsError, ResourceModifiedError):      # 409 exists / 412 ConditionNotMet
                 return None
             except (FileNotFoundError, ResourceNotFoundError) as e:
-                if self._bucket_missing(e):
-                    raise
-                return None
+                return self._absent(e)
         out = self._retry("put", put)
         self.fs.invalidate_cache(self._key(name))
         return out

@@ -135,9 +135,7 @@ class GcsStore(FsspecStore):
                     _, data = self.fs.call("GET", "b/{}/o/{}", bucket, key, alt="media")
                 return bytes(data), str(generation)
             except FileNotFoundError as e:
-                if self._bucket_missing(e):
-                    raise
-                return None
+                return self._absent(e)
         return self._retry("read", get)
 
     def replace_if(self, name: str, data: bytes, etag: str | None) -> str | None:
@@ -157,9 +155,7 @@ class GcsStore(FsspecStore):
             except FileExistsError:      # 412: the generation is no longer `etag`
                 return None
             except FileNotFoundError as e:
-                if self._bucket_missing(e):
-                    raise
-                return None
+                return self._absent(e)
         out = self._retry("put", put)
         self.fs.invalidate_cache(self._key(name))
         return out
