@@ -59,7 +59,14 @@ def test_two_cell_sweep_writes_csv_table_and_plot(sweep):
         assert 0 <= float(r["trainer_idle_share"]) <= 1 and 0 <= float(r["generator_idle_share"]) <= 1
         assert 0 < float(r["filtered_frac"]) < 1
         assert float(r["target_accuracy"]) == pytest.approx(float(r["accuracy_before"]) + 0.10)
-    assert float(rows[1]["expired_frac"]) == 0.0     # lockstep's expired groups: see the lockstep test
+    # At staleness 2 a batch sized by the trainable share may overshoot the admission limit by a group
+    # or two, which can wait past the limit (README, "Expired"): whether one does depends on timing, so
+    # the fraction is checked against the cell's own buffer, not against 0. (Lockstep: its own test.)
+    s2 = out / "cells" / "s2-decoupled-seed1"
+    expired = q(s2, "SELECT count(*) n FROM groups WHERE NOT filtered AND times_consumed = 0 AND version < 3 - 2")
+    groups = q(s2, "SELECT count(*) n FROM groups")[0]["n"]
+    assert float(rows[1]["expired_frac"]) == pytest.approx(expired[0]["n"] / groups)
+    assert float(rows[1]["expired_frac"]) < 0.25
     assert float(rows[0]["mean_staleness"]) == 0.0 and 0 <= float(rows[1]["mean_staleness"]) <= 2
     md = (out / "ablation.md").read_text()
     assert ("| staleness | IS mode | seed | final greedy acc | time to target (s) | steps/s | mean staleness "
