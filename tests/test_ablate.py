@@ -63,9 +63,10 @@ def test_two_cell_sweep_writes_csv_table_and_plot(sweep):
     # or two, which can wait past the limit (README, "Expired"): whether one does depends on timing, so
     # the fraction is checked against the cell's own buffer, not against 0. (Lockstep: its own test.)
     s2 = out / "cells" / "s2-decoupled-seed1"
-    expired = q(s2, "SELECT count(*) n FROM groups WHERE NOT filtered AND times_consumed = 0 AND version < 3 - 2")
+    expired = q(s2, "SELECT count(*) n FROM groups "
+                    "WHERE NOT filtered AND times_consumed = 0 AND version < 3 - 2")[0]["n"]
     groups = q(s2, "SELECT count(*) n FROM groups")[0]["n"]
-    assert float(rows[1]["expired_frac"]) == pytest.approx(expired[0]["n"] / groups)
+    assert float(rows[1]["expired_frac"]) == pytest.approx(expired / groups)
     assert float(rows[1]["expired_frac"]) < 0.25
     assert float(rows[0]["mean_staleness"]) == 0.0 and 0 <= float(rows[1]["mean_staleness"]) <= 2
     md = (out / "ablation.md").read_text()
