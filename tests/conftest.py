@@ -102,16 +102,17 @@ DEFAULT_RUN_STEPS = 60
 def default_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """`asyncgrpo run` of the default job as a user runs it, stopped after DEFAULT_RUN_STEPS trainer steps
     (by steps, not time, so a slow or busy machine trains as much as a fast one), with both trackers on and
-    a periodic plot every 20 s (several while it runs, each a child process beside the daemons). One run for
+    a periodic plot every 60 s (a few while it runs, each a child process of ~5 s of CPU beside the daemons;
+    every 20 s, a 250-s run in the loaded suite drew about 12). One run for
     tests/test_run.py (learning, SQL invariants, clean stop) and tests/test_plot.py (trackers and plots)."""
     run = tmp_path_factory.mktemp("default_run") / "r"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("WANDB_MODE", None)   # W&B offline, the run's default (the test reads the offline files)
     args = [sys.executable, "-m", "pipeline", "run", "--run", str(run), "--set", f"model.cache_dir={CACHE}"]
     for s in (f"trainer.max_steps={DEFAULT_RUN_STEPS}", "run.time_limit_s=none", "run.eval_size=200",
-              'run.report_to=["tensorboard", "wandb"]', "run.track_every_s=5", "run.plot_every_s=20"):
+              'run.report_to=["tensorboard", "wandb"]', "run.track_every_s=5", "run.plot_every_s=60"):
         args += ["--set", s]
-    # 100-190 s on 2 busy cores
+    # 100-250 s on 2 busy cores
     p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     return run, p
 
