@@ -59,12 +59,12 @@ def kill_9_at_pause(argv: list[str], marker: Path, timeout: float = 60) -> None:
 
 # `make test` runs the suite on several worker processes (pytest-xdist). The scheduler below hands out
 # whole groups: a module's tests stay on one worker, so its module-scoped fixtures are built once. The two
-# 60-step learning runs, the session's `default_run` (tests/test_run.py, tests/test_plot.py) and the run
-# in a bucket (tests/test_run_s3.py), are one group, run one after the other: side by side on 2 cores
-# they took 478 s and 451 s, where one after the other they take about 200 s each. The longest groups go
-# first (serial fresh-clone run on 2 cores: the learning group ~400 s, test_ablate ~180 with the first
-# build of the warm start, ~65 s of it, test_trainer_fsdp ~80, test_ray_launcher ~60, test_chaos ~45,
-# test_chat ~45, test_vllm_backend ~30), so no worker draws a long one when the others are nearly done.
+# learning runs, the session's 60-step `default_run` (tests/test_run.py, tests/test_plot.py) and the
+# 30-step run in a bucket (tests/test_run_s3.py), are one group, run one after the other: side by side on
+# 2 cores (both at 60 steps then) they took 451 s and 478 s, against 135 s and 183 s one after the other.
+# The longest groups go first (serial fresh-clone run on 2 cores: the learning group ~350 s, test_ablate
+# ~180 with the first build of the warm start, ~65 s of it, test_trainer_fsdp ~80, test_ray_launcher ~60,
+# test_chaos ~45, test_chat ~45, test_vllm_backend ~30), so no worker draws a long one late.
 LEARNING = ("tests/test_run.py", "tests/test_plot.py", "tests/test_run_s3.py")
 LONGEST_FIRST = ("learning", "tests/test_ablate.py", "tests/test_trainer_fsdp.py", "tests/test_ray_launcher.py",
                  "tests/test_chaos.py", "tests/test_chat.py", "tests/test_vllm_backend.py")
