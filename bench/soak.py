@@ -1023,6 +1023,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out = Path(args.out).absolute()
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)   # --dir need not exist yet
     base = Path(tempfile.mkdtemp(prefix="soak-", dir=args.dir))
     state = {"children": [], "synthetic_rows": [], "real_rows": []}
     result: dict = {"dir": str(base)}
