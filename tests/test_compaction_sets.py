@@ -191,6 +191,49 @@ def test_a_retiring_index_holds_only_what_may_still_be_pulled_and_counts_like_a_
     assert len(set(sum(got, []))) == 30
 
 
+def test_a_merge_leaves_a_retiring_index_nothing_to_remember_of_the_groups_it_dropped(buf, monkeypatch):
+    """After a merge of shards and ledger files, a retiring index re-reads records of groups it dropped
+    long ago; they must change nothing and leave nothing behind (a merged ledger file repeats every record
+    of its sources: 201,088 after one pass late in a 60-minute run), while the groups it holds get their
+    uses, by either lookup path (a merged file's many ids, one step's few)."""
+    monkeypatch.setattr(GroupIndex, "DROP_AT", 4)
+    _fill(buf, 100, flush_groups=5)
+    watcher = GroupIndex(buf, retire=True)
+    assert len(watcher) == 100
+    first = _pull_steps(buf, 12)                          # 60 groups consumed, in 12 ledger files
+    compact_ledger(buf, **NOW)                            # ... merged into one before the watcher looks
+    watcher.refresh()                                     # 60 ids against 100 held: Arrow's lookup
+    assert watcher.retired == 60 and len(watcher) == 40  # all 60 counted consumed, then dropped
+    assert watcher.counts(0, None) == GroupIndex(buf).counts(0, None)
+    second = _pull_steps(buf, 2, first_step=13)           # 10 more, 2 files of 5 ids: dict lookups
+    watcher.refresh()
+    assert len(watcher) == 40 and [watcher.use_count.view[watcher.id_to_idx[g]] for g in sum(second, [])] == [1] * 10
+    compact(buf, target_groups=1000, **NOW)               # every group moves to a c-file
+    compact_ledger(buf, **NOW)                            # one file of 70 records, 60 of dropped groups
+    watcher.refresh()
+    assert watcher._early_uses == {}                      # nothing kept for the dropped ones
+    assert watcher.retired == 60 and len(watcher) == 40
+    assert watcher.counts(0, None) == GroupIndex(buf).counts(0, None)
+    assert watcher.counts(0, None)["consumed"] == 70 and len(set(sum(first + second, []))) == 70
+    with Sampler(buf) as s:                               # the 30 never pulled are what is left, once
+        rest = s.pull(30, trainer_version=0, trainer_step=15, max_staleness=None).group_ids
+        assert s.pull(1, trainer_version=0, trainer_step=16, max_staleness=None) is None
+    assert not set(rest) & set(sum(first + second, []))
+
+
+def test_writer_seqs_parses_like_the_id_format_says():
+    """'w<writer>-<sequence>' ids give both numbers; any other id (a user's own) gives -1, -1."""
+    from buffer.index import writer_seqs
+
+    ids = ["w000007-00000012", "w1-2", "w0-0", "x1-2", "w-1", "w1-", "w12-34-56", "gen0", "", "w1-2x",
+           "w" + "9" * 18 + "-1"]
+    w, q = writer_seqs(ids)
+    assert list(zip(w.tolist(), q.tolist())) == [(7, 12), (1, 2), (0, 0), (-1, -1), (-1, -1), (-1, -1),
+                                                 (-1, -1), (-1, -1), (-1, -1), (-1, -1), (10**18 - 1, 1)]
+    w, q = writer_seqs([])
+    assert len(w) == len(q) == 0
+
+
 def _populate(run) -> dict:
     """A run with 20 shards, 10 ledger files, 10 metrics files and 6 generator-metrics files; their counts."""
     _fill(run / "buffer", 40, flush_groups=2)
