@@ -255,14 +255,18 @@ class GroupIndex:
             np.maximum.at(count, pos[held], uses[held].astype(count.dtype))
         rest = ~held
         if rest.any():
-            w, q = writer_seqs(ids.filter(pa.array(rest)))
-            upto = self._upto
-            seen = (w >= 0) & (w < len(upto))
-            seen[seen] = q[seen] <= upto[w[seen]]
-            rest_idx = np.flatnonzero(rest)[~seen]
+            rest_idx = np.flatnonzero(rest)[~self._seen_complete(*writer_seqs(ids.filter(pa.array(rest))))]
             for gid, n in zip(ids.take(pa.array(rest_idx)).to_pylist(), uses[rest_idx].tolist()):
                 early = self._early_uses.setdefault(gid, [0, self._refreshes])
                 early[0] = max(early[0], n)
+
+    def _seen_complete(self, w: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """Per group (w, q: writer numbers and sequences, shape (N,)): read by a complete refresh, so
+        indexed then; one the index no longer holds was dropped. False for ids of no writer (-1)."""
+        upto = self._upto
+        seen = (w >= 0) & (w < len(upto))
+        seen[seen] = q[seen] <= upto[w[seen]]
+        return seen
 
     def _held_positions(self, ids: pa.Array) -> np.ndarray:
         """Position in the arrays of each id (shape (N,)), -1 where the index does not hold it."""
@@ -337,11 +341,9 @@ class GroupIndex:
         for wn, qn in zip(*_max_per_writer(w[ours], q[ours])):
             if qn > self._pass_upto.get(wn, -1):
                 self._pass_upto[wn] = qn
-        upto = self._upto
         pos = self._held_positions(enc.dictionary)
         moved = pos >= 0                                   # compaction: same group, new home
-        seen = ours & (w < len(upto))
-        seen[seen] = q[seen] <= upto[w[seen]]              # dropped before: seen by a complete refresh
+        seen = self._seen_complete(w, q)                   # else dropped before
         if moved.any():
             idx = pos[moved]
             self.file_idx.view[idx] = fidx
@@ -371,9 +373,7 @@ class GroupIndex:
     # -- bounded memory ------------------------------------------------------------
     def _drop_retired(self) -> None:
         """Drop filtered groups and those consumed `reuse` times, counting them, once they are many."""
-        w = self.writer_no.view
-        covered = (w >= 0) & (w < len(self._upto))
-        covered[covered] = self.seq.view[covered] <= self._upto[w[covered]]   # seen by a complete refresh
+        covered = self._seen_complete(self.writer_no.view, self.seq.view)
         dead = ((self.reason.view > 0) | (self.use_count.view >= self.reuse)) & covered
         n_dead = int(dead.sum())
         if n_dead < max(self.DROP_AT, len(self.group_ids) // 2):
