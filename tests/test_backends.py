@@ -241,6 +241,24 @@ def test_cache_copy_fallback_gives_the_same_rollouts(model_folders, backend):
     assert backend.prefix_sharing and backend.model.config._attn_implementation == "sdpa"
 
 
+def test_kept_decode_buffers_change_nothing_and_are_reused(model_folders):
+    # The decode loop's key/value buffers are kept between calls (SuffixPool): a call after a
+    # larger one decodes in the first rows/positions of its buffers, with stale values beyond
+    # them. Every call must equal the same call on a backend that has made no other.
+    kept = HFBackend(model_folders[0])
+    calls = [(PROMPTS, 8, 12), (PROMPTS[:2], 3, 12), (PROMPTS, 2, 5), (PROMPTS[1:], 8, 20), (PROMPTS[:1], 1, 4)]
+    ptrs = []
+    for i, (prompts, n, T) in enumerate(calls):
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=T)
+        got = kept.generate(prompts, n=n, sampling=sampling, seed=i)
+        want = HFBackend(model_folders[0]).generate(prompts, n=n, sampling=sampling, seed=i)
+        assert got == want, i                              # token ids, log-probs and texts, exactly
+        ptrs.append(kept._pool._buffers[0][0].data_ptr())
+        assert kept._pool._buffers[0][0].shape[:3:2] == (max(len(p) * k for p, k, _ in calls[:i + 1]),
+                                                         max(t for _, _, t in calls[:i + 1]))
+    assert ptrs[0] == ptrs[1] == ptrs[2] and ptrs[3] == ptrs[4]  # reused, grown once (more positions)
+
+
 def test_grouped_query_attention_model(tmp_path):
     # 4 query heads sharing 2 key/value heads: the shared-prefix attention regroups queries per kv head
     from workers.model import TinyModelSpec
