@@ -10,6 +10,10 @@ temp folder), `--threads` torch threads, temperature 1, no top-p / top-k:
 
 - prefix_shared: `HFBackend.generate(prompts, n=G)`: each prompt prefilled once, its
   KV cache expanded to its G samples, behaviour log-probs included.
+- fresh_buffers: prefix_shared as it was before commit 5aadc22, with the decode loop's
+  per-row key/value buffers allocated afresh for each call (a new `SuffixPool`)
+  rather than kept from the previous call; `kept_buffers_speedup_paired` is
+  prefix_shared / fresh_buffers (median of the per-repetition ratios).
 - naive: `model.generate(num_return_sequences=G, do_sample=True)` on the same
   left-padded prompts (G prefills per prompt), with the log-probs a generator needs
   (`output_scores`, log_softmax at each sampled token) so both produce the same thing.
@@ -19,7 +23,8 @@ temp folder), `--threads` torch threads, temperature 1, no top-p / top-k:
 
 Each repetition draws new random prompts (`--prompt-len` tokens with <bos>), so no
 method finds a previous repetition's prompts in a cache; within a repetition every
-method gets the same prompts. The two HF methods alternate which goes first. After
+method gets the same prompts. The HF methods alternate their order (prefix_shared
+first, then last). After
 one untimed warm-up of each method, the median over `--repeats` of tokens / second,
 tokens = completion tokens actually generated (up to and including <eos>; the random
 model ends about 40% of rows early). `speedup` = prefix_shared / naive (of the
@@ -95,7 +100,7 @@ def main() -> None:
     import torch
 
     from workers.backends import SamplingConfig
-    from workers.backends.hf import HFBackend
+    from workers.backends.hf import HFBackend, SuffixPool
     from workers.model import init_model
 
     torch.set_num_threads(args.threads)
@@ -110,7 +115,12 @@ def main() -> None:
         def shared(prompts):
             return sum(len(r.token_ids) for g in backend.generate(prompts, n=G, sampling=sampling) for r in g)
 
-        methods = {"prefix_shared": shared, "naive": lambda p: naive_generate(model, tok, p, G, C)}
+        def fresh(prompts):
+            backend._pool = SuffixPool()            # what each call did before buffers were kept
+            return shared(prompts)
+
+        methods = {"prefix_shared": shared, "fresh_buffers": fresh,
+                   "naive": lambda p: naive_generate(model, tok, p, G, C)}
         warm = random_prompts(rng, N, args.prompt_len)
         assert len(backend.prompt_token_ids(warm)[0]) == args.prompt_len
         for fn in methods.values():
@@ -155,6 +165,9 @@ def main() -> None:
         "naive_tok_per_s": round(result["naive"], 1),
         "speedup": round(result["prefix_shared"] / result["naive"], 3),
         "speedup_paired": round(statistics.median(a / b for a, b in zip(rates["prefix_shared"], rates["naive"])), 3),
+        "fresh_buffers_tok_per_s": round(result["fresh_buffers"], 1),
+        "kept_buffers_speedup_paired": round(statistics.median(
+            a / b for a, b in zip(rates["prefix_shared"], rates["fresh_buffers"])), 3),
         "prompts": N, "prompt_len": args.prompt_len, "group": G, "new_tokens": C,
         "repeats": args.repeats, "threads": args.threads,
         "runs_tok_per_s": {k: [round(x) for x in v] for k, v in rates.items()},
