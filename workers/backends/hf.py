@@ -137,11 +137,12 @@ class PrefixSharedKV:
 class SuffixPool:
     """The decode loop's per-row key/value buffers, kept from one call to the next.
 
-    Allocating them afresh each call cost more than the copies into them: the allocator
-    hands blocks this large back to the OS when they are freed, so each call faulted in
-    new zeroed pages. On the default model, batches of 32 prompts x 8 samples decoded in
-    67 ms against 79 ms (medians, one thread, weights from late in a 60-minute run).
-    The buffers grow to the most rows (B) and positions (T) a call has asked for, and a
+    Allocated afresh, they can cost more than the copies into them: when the allocator has
+    handed blocks this large back to the OS, each call faults in new zeroed pages. In a loop
+    of 32 prompts x 8 samples on weights from late in a 60-minute run (4-token completions,
+    one thread), calls took 60-67 ms against 73-79 ms; in that run's generator daemon, and in
+    bench/generate.py, the two did not differ (it depends on the allocator's state; README,
+    "Days, not minutes"). The buffers grow to the most rows (B) and positions (T) a call has asked for, and a
     call uses their first B rows and T positions; memory between calls is what the
     largest call held during its decode. One layer's keys/values: (B, Hkv, T, D).
     """
