@@ -142,9 +142,9 @@ class SuffixPool:
     of 32 prompts x 8 samples on weights from late in a 60-minute run (4-token completions,
     one thread), calls took 60-67 ms against 73-79 ms; in that run's generator daemon, and in
     bench/generate.py, the two did not differ (it depends on the allocator's state; README,
-    "Days, not minutes"). The buffers grow to the most rows (B) and positions (T) a call has asked for, and a
-    call uses their first B rows and T positions; memory between calls is what the
-    largest call held during its decode. One layer's keys/values: (B, Hkv, T, D).
+    "Days, not minutes"). The buffers grow to the most rows (B) and positions (T) a call has
+    asked for, and a call uses their first B rows and T positions; memory between calls is
+    what the largest call held during its decode. One layer's keys/values: (B, Hkv, T, D).
     """
 
     def __init__(self):
@@ -155,9 +155,10 @@ class SuffixPool:
         """`layers` (keys, values) pairs of `shape`, with `like`'s dtype and device (contents undefined)."""
         B, Hkv, T, D = shape
         have = self._buffers[0][0] if self._buffers else None
-        if (have is None or len(self._buffers) != layers or have.shape[0] < B or have.shape[2] < T
-                or (have.shape[1], have.shape[3], have.dtype, have.device) != (Hkv, D, like.dtype, like.device)):
-            if have is not None and (have.shape[1], have.shape[3], len(self._buffers)) == (Hkv, D, layers):
+        fits = (have is not None and len(self._buffers) == layers
+                and (have.shape[1], have.shape[3], have.dtype, have.device) == (Hkv, D, like.dtype, like.device))
+        if not fits or have.shape[0] < B or have.shape[2] < T:
+            if fits:
                 B, T = max(B, have.shape[0]), max(T, have.shape[2])    # grow, never shrink
             self._buffers = []                                         # free the old ones first
             self._buffers = [(like.new_empty(B, Hkv, T, D), like.new_empty(B, Hkv, T, D)) for _ in range(layers)]
