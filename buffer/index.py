@@ -186,6 +186,10 @@ class GroupIndex:
             for gid in [g for g, (_, r) in self._early_uses.items() if r < old]:
                 del self._early_uses[gid]
 
+    def last_tops(self) -> dict[int, int]:
+        """Writer number -> highest sequence among the groups the last refresh read (new shards and c-files)."""
+        return dict(self._pass_upto)
+
     def _follow_gone(self, names: list[str]) -> None:
         """Groups of shards that left the live list without moving to a c-file: retired or unavailable.
 

@@ -1,5 +1,6 @@
 """The generator's admission gate (workers.generator.AdmissionGate), in process on a real buffer:
-exact allowances, which batches skip the index check, waiting for the next version, lockstep."""
+exact allowances, which batches skip the index check (newer versions, other writers, a lone
+writer), waiting for the next version, lockstep."""
 
 from __future__ import annotations
 
@@ -68,16 +69,53 @@ def test_a_filtered_group_does_not_spend_the_allowance(tmp_path):
     s.writer.close()
 
 
-def test_a_check_older_than_poll_seconds_is_not_spent(tmp_path):
-    s = Setup(tmp_path, max_staleness=2, poll_seconds=5.0)   # ample for the next lines on a slow machine
-    assert s.wait()[0] == 12 and s.gate.checks == 1
+def test_a_newer_version_raises_the_grant_without_a_check(tmp_path):
+    s = Setup(tmp_path, max_staleness=2)
+    s.publish(2)                                  # limit at v2: (2 + 2 + 1) * 4 = 20
+    assert s.wait()[0] == 20 and s.gate.checks == 1
+    s.append(8)
+    s.publish(3)                                  # limit 24: 20 + 4 - 8 = 16 left, as a check would find
+    assert s.wait()[0] == 16 and s.gate.checks == 1
+    assert s.gate.wait(StopFlag(install_signals=False), version=4)[0] == 20 and s.gate.checks == 1
+    s.publish(1)                                  # LATEST moved back (a resumed trainer): the grant ends
+    assert s.wait()[0] == 8 and s.gate.checks == 2   # limit 16 less the 8 unflushed trainable groups
+    s.writer.close()
+
+
+def other_writer_appends(tmp_path, n: int) -> ShardWriter:
     other = ShardWriter(tmp_path / "buffer", flush_groups=10_000, flush_seconds=10_000)
-    for _ in range(5):                                  # another generator's groups, visible at once
+    for _ in range(n):                            # another generator's groups, visible at once
         other.append(make_group(0, [0.0, 1.0]))
     other.flush()
-    assert s.wait()[0] == 12 and s.gate.checks == 1     # within poll_seconds they go unseen
-    time.sleep(5.1)
-    assert s.wait()[0] == 7 and s.gate.checks == 2      # then a check sees them
+    return other
+
+
+def test_while_another_writer_appends_a_grant_lives_poll_seconds(tmp_path):
+    s = Setup(tmp_path, max_staleness=2, poll_seconds=3.0)   # ample for the next lines on a slow machine
+    other = other_writer_appends(tmp_path, 5)
+    assert s.wait()[0] == 7 and s.gate.checks == 1     # the first check sees the other writer's groups
+    for _ in range(2):
+        other.append(make_group(0, [0.0, 1.0]))
+    other.flush()
+    assert s.wait()[0] == 7 and s.gate.checks == 1     # within poll_seconds they go unseen
+    time.sleep(3.1)
+    assert s.wait()[0] == 5 and s.gate.checks == 2     # then a check sees them
+    other.close()
+    s.writer.close()
+
+
+def test_a_lone_writers_grant_lives_longer(tmp_path):
+    s = Setup(tmp_path, max_staleness=2, poll_seconds=0.5)
+    s.gate.LONE_GRANT_POLLS = 4                        # 2 s; no other writer has appended
+    assert s.wait()[0] == 12 and s.gate.checks == 1
+    time.sleep(0.6)
+    assert s.wait()[0] == 12 and s.gate.checks == 1    # older than poll_seconds, still spent
+    time.sleep(1.5)
+    assert s.wait()[0] == 12 and s.gate.checks == 2    # older than 4 poll_seconds: a check
+    s.gate.OTHERS_WINDOW_S = 0.0                       # an old sighting of another writer ends at once
+    other = other_writer_appends(tmp_path, 3)
+    time.sleep(2.1)
+    assert s.wait()[0] == 9 and s.gate.checks == 3     # the check sees them (2 s lone grant ended)
     other.close()
     s.writer.close()
 

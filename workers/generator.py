@@ -174,7 +174,7 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
         while not stop:
             t_start = time.time()
             version, reload_s = _timed_reload(store, backend, version, generator_id)
-            allowance, waited = gate.wait(stop)
+            allowance, waited = gate.wait(stop, version)
             totals["admission_wait_s"] += waited
             if stop:
                 stats.add(batch=stats.batches + 1, version=version, started_at=t_start, wait_s=waited,
@@ -333,13 +333,19 @@ class AdmissionGate:
 
     A check refreshes the group index: 9 ms a batch (median) late in a 60-minute run on
     2 cores, a tenth of its ~92 ms batches. So a check's answer is spent by the batches
-    that follow it: while what is left of it (its allowance less the trainable groups
-    appended since) still fills a whole batch, and for at most poll_seconds, a batch
-    starts without a check. With one writer that changes nothing: only its own appends
-    lower the allowance (a newer version raises the limit, and expiry lowers the count),
-    and a check would have sized the batch alike. Other writers' groups appended
-    meanwhile go unseen for at most poll_seconds, as two writers that check at once miss
-    each other's. Lockstep (max_staleness 0) checks before every batch.
+    that follow it: while what is left of it (its allowance, plus what newer versions
+    added to the limit, less the trainable groups appended since) still fills a whole
+    batch, a batch starts without a check. With one writer that changes nothing: only
+    its own appends lower the allowance, a newer version raises the limit by
+    groups_per_step a version, and expiry lowers the count, so a check would have sized
+    the batch alike or larger. Other writers' groups appended meanwhile go unseen, as two
+    writers that check at once miss each other's, so a grant lives at most poll_seconds
+    while another writer's new groups have been seen in the last OTHERS_WINDOW_S seconds
+    (at the first check, any other writer's groups count as new), and LONE_GRANT_POLLS
+    times longer otherwise: late in a 60-minute soak, checks every poll_seconds took 4%
+    of the lone generator's time, at the moments it was behind the trainer. A LATEST
+    that moved back (a resumed trainer) ends a grant. Lockstep (max_staleness 0) checks
+    before every batch.
 
     While the limit is reached, only LATEST is read (every 10 ms, doubling up to 50 ms on
     a local run; up to poll_seconds on an object store), with a check when it names a new
@@ -349,19 +355,31 @@ class AdmissionGate:
     lets the generator start its next batch soon after a publish.
     """
 
+    LONE_GRANT_POLLS = 10      # a grant lives this many poll_seconds while no other writer appends
+    OTHERS_WINDOW_S = 60.0     # another writer's new groups seen this recently: grants live poll_seconds
+
     def __init__(self, index, writer, trainable: TrainableShare, admission: Admission, store,
                  cfg: GeneratorConfig, stats: GeneratorStats, *, local: bool = True):
+        from buffer.index import writer_seqs
+
         self.index, self.writer, self.trainable, self.admission = index, writer, trainable, admission
         self.store, self.cfg, self.stats = store, cfg, stats
         self.look_seconds = min(cfg.poll_seconds, 0.05) if local else cfg.poll_seconds
         self.checks = 0                                # index refreshes so far
-        self._grant: tuple[int, int, float] | None = None   # (allowance, appended trainable, monotonic time)
+        # (allowance, appended trainable, monotonic time, version) of the last check that allowed groups
+        self._grant: tuple[int, int, float, int] | None = None
+        self._mine = int(writer_seqs([f"{writer.writer_id}-0"])[0][0])   # this writer's number
+        self._tops: dict[int, int] = {}               # writer number -> highest sequence seen by a check
+        self._others_at: float | None = None          # monotonic time a check last saw another writer's new groups
 
-    def wait(self, stop: StopFlag) -> tuple[int | None, float]:
-        """Wait until the trainer may use more groups; (trainable groups allowed now or None, seconds waited)."""
+    def wait(self, stop: StopFlag, version: int | None = None) -> tuple[int | None, float]:
+        """Wait until the trainer may use more groups; (trainable groups allowed now or None, seconds waited).
+
+        `version`: the newest published version the caller knows (it just read LATEST); None reads it.
+        """
         from buffer import admission_limit
 
-        left = self._spend()
+        left = self._spend(self.store.latest() or 0 if version is None else version)
         if left is not None:
             return left, 0.0
         t0 = time.time()
@@ -377,7 +395,7 @@ class AdmissionGate:
                 checked = (t, time.monotonic())
                 if allowance > 0:
                     if self.admission.max_staleness:
-                        self._grant = (allowance, self.trainable.appended_trainable, checked[1])
+                        self._grant = (allowance, self.trainable.appended_trainable, checked[1], t)
                     return allowance, time.time() - t0
                 if self.writer.pending_groups:
                     self.writer.flush()
@@ -385,14 +403,23 @@ class AdmissionGate:
             stop.wait(next(delays))
         return 0, time.time() - t0
 
-    def _spend(self) -> int | None:
-        """What is left of the last check's allowance, if it still fills a whole batch and is fresh."""
+    def _spend(self, t: int) -> int | None:
+        """What is left of the last check's allowance at version t, if it still fills a whole batch and is fresh."""
+        from buffer import admission_limit
+
         if self._grant is None:
             return None
-        allowance, appended, at = self._grant
-        left = allowance - (self.trainable.appended_trainable - appended)
-        if (time.monotonic() - at >= self.cfg.poll_seconds
-                or _batch_size(self.cfg, left, self.trainable) < self.cfg.prompts_per_batch):
+        allowance, appended, at, checked_t = self._grant
+        now = time.monotonic()
+        alone = self._others_at is None or now - self._others_at >= self.OTHERS_WINDOW_S
+        life = self.cfg.poll_seconds * (self.LONE_GRANT_POLLS if alone else 1)
+        if t < checked_t or now - at >= life:   # LATEST moved back (a resume), or the grant is old
+            self._grant = None
+            return None
+        raised = (admission_limit(t, self.admission.max_staleness, self.admission.groups_per_step)
+                  - admission_limit(checked_t, self.admission.max_staleness, self.admission.groups_per_step))
+        left = allowance + raised - (self.trainable.appended_trainable - appended)
+        if _batch_size(self.cfg, left, self.trainable) < self.cfg.prompts_per_batch:
             self._grant = None
             return None
         return left
@@ -407,6 +434,11 @@ class AdmissionGate:
         pending = self.trainable.pending_trainable(self.writer.pending_groups)
         self.index.refresh()
         self.checks += 1
+        for w, q in self.index.last_tops().items():   # another writer's new groups: grants stay short
+            if q > self._tops.get(w, -1):
+                self._tops[w] = q
+                if w != self._mine:
+                    self._others_at = time.monotonic()
         counts = self.index.counts(t, self.admission.max_staleness, by_version=False)
         return counts["admitted"] - counts["expired"] - counts["unavailable"] + pending
 
