@@ -176,7 +176,8 @@ def test_a_retiring_index_holds_only_what_may_still_be_pulled_and_counts_like_a_
         for step in range(1, 13):
             assert s.pull(5, trainer_version=12, trainer_step=step, max_staleness=None) is not None
         s.counts(12, 4)                                   # a refresh: retired rows dropped
-        assert s.index.retired == 30 + 60 and len(s.index) == 30
+        # the 30 filtered dropped on arrival; the consumed ones in one drop, once 45 (half the held) were
+        assert s.index.retired == 30 + 45 and len(s.index) == 30 + 15
     watcher.refresh()
     full = GroupIndex(buf)
     for t, limit in ((12, 4), (12, None), (20, 2)):
@@ -386,6 +387,32 @@ def test_dropped_groups_stay_dropped_when_merged_twice_between_two_refreshes(buf
         assert s.pull(1, trainer_version=0, trainer_step=7, max_staleness=None) is None
         assert s.counts(0, None)["consumed"] == 30
     assert sorted(sum(first + rest, [])) == sorted(ids + more)
+
+
+def test_a_refresh_that_missed_a_shard_remembers_the_groups_it_dropped_on_arrival(buf, monkeypatch):
+    """A retiring index never holds a filtered group, nor one whose uses it read before its shard: each is
+    counted and dropped as it arrives. A refresh that missed a listed file (gone before it was read) sets no
+    watermark, so it keeps the keys of what it dropped until one does: a merge that brings those groups back,
+    in a c-file, does not count them twice."""
+    import buffer.index as index_module
+
+    monkeypatch.setattr(GroupIndex, "DROP_AT", 2)
+    _fill(buf, 20, filtered_every=4, flush_groups=5)      # 4 shards of 5; groups 0, 4, 8, 12, 16 filtered
+    assert sum(len(g) for g in _pull_steps(buf, 3)) == 15  # every other group consumed
+    last = BufferDir(buf).live_shard_names()[-1]
+    real = index_module.parquet_file
+    monkeypatch.setattr(index_module, "parquet_file",
+                        lambda path: (_ for _ in ()).throw(FileNotFoundError(path)) if path.name == last else real(path))
+    watcher = GroupIndex(buf, retire=True)                # misses the last shard: its uses come first
+    assert watcher.retired == 4 and len(watcher) == 11 and len(watcher._limbo) == 4
+    assert len(watcher._early_uses) == 4
+    compact(buf, target_groups=1000, **NOW)               # all 20 groups in one c-file
+    watcher.refresh()
+    full = GroupIndex(buf)
+    assert watcher.counts(0, None) == full.counts(0, None)
+    assert full.counts(0, None)["filtered"] == 5 and full.counts(0, None)["consumed"] == 15
+    assert watcher.retired == 20 and len(watcher) == 0
+    assert len(watcher._limbo) == 0 and watcher._early_uses == {}
 
 
 def test_an_observer_counts_uses_once_across_a_resume_cut_and_reuse(buf):

@@ -109,7 +109,8 @@ def test_old_shards_move_to_the_archive_exactly(buf):
         # The sampler counts the archived groups as what they are, and still pulls every eligible group once.
         after = s.counts(9, LIMIT)
         assert after == before and after["unavailable"] == 0
-        assert len(s.index) == 40 and s.index.retired == 60
+        # 40 groups live, 10 of them filtered (dropped on arrival, as were the 15 of the 60 retired)
+        assert len(s.index) == 30 and s.index.retired == 70
         assert after["consumed"] == 15 and after["by_version"][0]["consumed"] == 5
         assert after["by_version"][3] == {"consumed": 5, "filtered": 2, "expired": 3}
         pulled = _drain(s)
@@ -193,7 +194,8 @@ def test_a_c_file_retired_before_an_index_saw_it_still_counts_its_groups(buf):
     assert (r.files, r.groups) == (1, 30)
     watcher.refresh()
     after = watcher.counts(11, LIMIT)
-    assert after == before and after["unavailable"] == 0 and len(watcher) == 30
+    # 30 groups live, 7 of them filtered: never held
+    assert after == before and after["unavailable"] == 0 and len(watcher) == 30 - 7
 
 
 def test_a_shard_quarantined_elsewhere_stays_unavailable(buf):
