@@ -13,7 +13,10 @@ buffer/fileset.py for the manifest protocol that keeps readers exact):
 Each pass, under the set's lock:
 
 1. picks live files older than `min_age_s` (sealed) and smaller than the target,
-   oldest first; for rollout shards with `fanout` set, c-files of at least
+   oldest first; with `max_unmerged` set and more files not yet merged than
+   that (as their writers left them: the count grows with the writers'
+   output, not with the run's length), also the younger ones, all but the
+   newest `max_unmerged // 2`; for rollout shards with `fanout` set, c-files of at least
    half the target go to levels instead: `fanout` c-files of level k (t *
    fanout^(k-1) <= groups < t * fanout^k, t = target / 2, k >= 1, oldest
    first) become one of the next level, up to
@@ -81,9 +84,10 @@ class CompactionReport:
 
 def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: float = 60.0,
             grace_s: float = 300.0, min_files: int = 2, fanout: int | None = None,
-            max_groups: int = LEVEL_MAX_GROUPS) -> CompactionReport:
+            max_groups: int = LEVEL_MAX_GROUPS, max_unmerged: int | None = None) -> CompactionReport:
     """Merge sealed small rollout shards into c-files of about `target_groups` groups, and with
-    `fanout`, c-files into levels of up to `max_groups` groups; see module doc."""
+    `fanout`, c-files into levels of up to `max_groups` groups; with `max_unmerged`, young shards
+    too when more than that many are unmerged; see module doc."""
     d = BufferDir(root)
     fs = d.shard_set
     report = CompactionReport()
@@ -93,10 +97,11 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
         merged: list[tuple[Path, int]] = []   # sealed c-files of at least target_groups / 2: level merges
         cache = _GROUP_COUNTS.get(d.root, {})
         seen: dict[str, tuple[int, int, int]] = {}
-        for p in fs.live():
+        listed = _stat_live(fs)
+        early = early_merges(fs, listed, now, min_age_s, max_unmerged)
+        for p, st in listed:
             try:
-                st = p.stat()
-                if now - st.st_mtime < min_age_s:
+                if now - st.st_mtime < min_age_s and p.name not in early:
                     continue
                 hit = cache.get(p.name)
                 if hit is not None and hit[:2] == (st.st_ino, st.st_mtime_ns):
@@ -141,7 +146,7 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
 
 
 def compact_ledger(root: str | os.PathLike, *, target_rows: int = LEDGER_TARGET_ROWS, min_age_s: float = 60.0,
-                   grace_s: float = 300.0, min_files: int = 2) -> CompactionReport:
+                   grace_s: float = 300.0, min_files: int = 2, max_unmerged: int | None = None) -> CompactionReport:
     """Merge sealed ledger files (one per pull) into 'step-<first>-c<gen>-<last>.parquet', in step order.
 
     Never waits on the trainer and never makes it wait: the trainer writes new
@@ -150,7 +155,7 @@ def compact_ledger(root: str | os.PathLike, *, target_rows: int = LEDGER_TARGET_
     """
     d = BufferDir(root)
     return compact_small(d.ledger_set, target_rows=target_rows, min_age_s=min_age_s, grace_s=grace_s,
-                         min_files=min_files, order=ledger_range, summary=ledger_summary)
+                         min_files=min_files, order=ledger_range, summary=ledger_summary, max_unmerged=max_unmerged)
 
 
 def ledger_summary(t: pa.Table) -> dict:
@@ -166,12 +171,13 @@ def ledger_summary(t: pa.Table) -> dict:
 
 def compact_small(fs: FileSet, *, target_rows: int, min_age_s: float, grace_s: float, min_files: int = 2,
                   order: Callable[[str], object] | None = None, sort_by: str | None = None,
-                  summary: Callable[[pa.Table], dict] | None = None) -> CompactionReport:
+                  summary: Callable[[pa.Table], dict] | None = None,
+                  max_unmerged: int | None = None) -> CompactionReport:
     """Merge sealed small files of a set whose files are small tables (ledger, metrics); c-files named by fs.c_name.
 
     order(name) -> the sort key of files (default: the name); sort_by: a column whose
     first value orders the sources inside a c-file; summary(table): a dict for the c-file's
-    footer (FileSet.merge_tables).
+    footer (FileSet.merge_tables); max_unmerged: see the module doc.
     """
     report = CompactionReport()
     if not isinstance(fs.folder, RemotePath) and not fs.folder.is_dir():
@@ -179,9 +185,11 @@ def compact_small(fs: FileSet, *, target_rows: int, min_age_s: float, grace_s: f
     with fs.lock:
         now = time.time()
         candidates: list[tuple[Path, int]] = []
-        for p in fs.live():
+        listed = _stat_live(fs)
+        early = early_merges(fs, listed, now, min_age_s, max_unmerged)
+        for p, st in listed:
             try:
-                if now - p.stat().st_mtime < min_age_s:
+                if now - st.st_mtime < min_age_s and p.name not in early:
                     continue
                 rows = read_metadata(p).num_rows
             except FileNotFoundError:
@@ -206,6 +214,33 @@ def compact_small(fs: FileSet, *, target_rows: int, min_age_s: float, grace_s: f
             fs.swap(manifest, new, sources, now)
         report.deleted_files = fs.delete_expired(grace_s, now)
     return report
+
+
+def _stat_live(fs: FileSet) -> list[tuple[Path, os.stat_result]]:
+    """The set's live files with their stat (those gone meanwhile left out)."""
+    out = []
+    for p in fs.live():
+        try:
+            out.append((p, p.stat()))
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def early_merges(fs: FileSet, listed: list[tuple[Path, os.stat_result]], now: float, min_age_s: float,
+                 max_unmerged: int | None) -> set[str]:
+    """Names of the files younger than `min_age_s` that a pass merges anyway: when more than
+    `max_unmerged` of the live files `listed` are unmerged (not c-files), all of those but the newest
+    `max_unmerged // 2` are merged, whatever their age (the older ones are merged in any case)."""
+    unmerged = sorted((st.st_mtime, p.name) for p, st in listed if not fs.is_compacted(p.name))
+    if max_unmerged is None or len(unmerged) <= max_unmerged:
+        return set()
+    return {name for t, name in unmerged[:len(unmerged) - max_unmerged // 2] if now - t < min_age_s}
+
+
+def unmerged_count(fs: FileSet) -> int:
+    """Live files of the set not yet merged (as their writers left them); a listing, no file read."""
+    return sum(not fs.is_compacted(n) for n in fs.live_names())
 
 
 def _batches(candidates: list[tuple[Path, int]], target: int) -> list[list[Path]]:

@@ -24,7 +24,8 @@ The compactor keeps the live file count bounded:
         on an object store, at most every hour: abort the run's multipart uploads
             older than STALE_UPLOAD_S (a process killed inside a large upload
             leaves its parts stored and billed under no name)
-        wait every_s
+        wait every_s, or until a set holds more than max_unmerged files not yet
+            merged (counted every second): then the pass merges young files too
 
 Each set works under its lock and through its manifest (buffer/fileset.py),
 so the generators, the trainer and SQL readers never fail or count a row
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Literal
 
 import buffer
+from buffer.compaction import unmerged_count
 from buffer.layout import run_file_set
 from buffer.retention import ACTIONS, RetentionReport, newest_trainer_version, retire_old_shards
 from buffer.store import RemotePath, as_path
@@ -97,6 +99,15 @@ class CompactorConfig:
     min_free_gb: float | None = 1.0
     """Warn (at most every 10 minutes) when the run directory's filesystem has less than this many GB
     free, > 0. None: no check."""
+    max_unmerged: int | None = 256
+    """Most files a set (rollout shards, ledger, metrics, generator metrics) holds unmerged, as their
+    writers left them, before the compactor merges early: between passes the daemon counts them every
+    second (a listing, no file read; every 5 s on an object store), and when a set holds more than this,
+    and max_unmerged // 2 more than after the last pass, a pass starts at once and merges that set's
+    unmerged files whatever their age, all but the newest max_unmerged // 2. Without it the unmerged files
+    number the writers' output over min_age_s + every_s, so the live files grow with the output (a
+    60-minute soak's peaks rose 4-6 files a minute as the generator sped up); with it they stay under
+    about this many a set. >= 2, or none (min_age_s and every_s alone decide)."""
     nice: int = 10
     """How much lower the compactor daemon's CPU priority is than the other daemons' (added to its
     niceness, Unix; 0-19): on cores the trainer and generators keep busy, its merges then run in
@@ -115,6 +126,8 @@ class CompactorConfig:
         require(self, "keep_versions", self.keep_versions is None or is_int(self.keep_versions, 0),
                 "an integer >= 0 (at least trainer.max_staleness), or none (keep everything)")
         require(self, "retention", self.retention in ACTIONS, "'archive' or 'delete'")
+        require(self, "max_unmerged", self.max_unmerged is None or is_int(self.max_unmerged, 2),
+                "an integer >= 2, or none (no early merges)")
         require(self, "nice", is_int(self.nice, 0, 19), "an integer from 0 to 19")
         require(self, "disk_budget_gb", self.disk_budget_gb is None or is_num(self.disk_budget_gb, 0, lo_open=True),
                 "a number of GB > 0, or none (no budget)")
@@ -127,6 +140,8 @@ GB = 1e9
 DISK_WARN_EVERY_S = 600.0      # each disk warning at most this often
 BUDGET_SHARE = 0.9             # warn above this share of compactor.disk_budget_gb
 SWEEP_EVERY_S = 3600.0         # abort_stale_uploads at most this often
+COUNT_EVERY_S = 1.0            # the daemon counts unmerged files this often between passes (max_unmerged)
+COUNT_EVERY_REMOTE_S = 5.0     # on an object store (each count lists four prefixes and reads their manifests)
 STALE_UPLOAD_S = 6 * 3600.0
 """A multipart upload older than this was left by a killed process: the largest upload of a run (a
 c-file, a model's weights) takes minutes, and one in progress must never be aborted."""
@@ -142,7 +157,7 @@ def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict:
     run = as_path(run_dir)
     root = run / "buffer"
     out = {}
-    ages = dict(min_age_s=cfg.min_age_s, grace_s=cfg.grace_s)
+    ages = dict(min_age_s=cfg.min_age_s, grace_s=cfg.grace_s, max_unmerged=cfg.max_unmerged)
     if buffer.BufferDir.is_buffer(root):    # the first generator flush creates it
         # With retention, files old enough leave before the merges too: a level merge would otherwise
         # put them in one file with newer groups, which keeps them all until the newest is old enough.
@@ -307,6 +322,65 @@ def live_files(run_dir: str | os.PathLike) -> dict[str, int]:
     return out
 
 
+def unmerged_files(run_dir: str | os.PathLike) -> dict[str, int]:
+    """Live files of each kind (KINDS) in a run that are not merged yet (as their writers left them)."""
+    run = as_path(run_dir)
+    out = dict.fromkeys(KINDS, 0)
+    if buffer.BufferDir.is_buffer(run / "buffer"):
+        d = buffer.BufferDir(run / "buffer")
+        out["shards"], out["ledger"] = unmerged_count(d.shard_set), unmerged_count(d.ledger_set)
+    for kind in ("metrics", "generator_metrics"):
+        if (run / kind).is_dir():
+            out[kind] = unmerged_count(run_file_set(run / kind, kind))
+    return out
+
+
+class EarlyTrigger:
+    """When the compactor daemon's next pass starts: `every_s` after the last, or at once when a set
+    holds more than `max_unmerged` unmerged files and max_unmerged // 2 more than right after the last
+    pass (so files a pass cannot merge, such as writer shards of target_groups or more, do not start
+    one pass after another). Counts every `count_every_s`."""
+
+    def __init__(self, run_dir: str | os.PathLike, cfg: CompactorConfig):
+        self.run_dir, self.cfg = run_dir, cfg
+        self.count_every_s = COUNT_EVERY_REMOTE_S if isinstance(as_path(run_dir), RemotePath) else COUNT_EVERY_S
+        self.after_pass: dict[str, int] = dict.fromkeys(KINDS, 0)
+
+    def passed(self) -> None:
+        """Call after each pass: the counts it left are the base of the next trigger."""
+        if self.cfg.max_unmerged is not None:
+            self.after_pass = unmerged_files(self.run_dir)
+
+    def over(self) -> list[str]:
+        """The kinds whose unmerged files call for a pass now."""
+        m = self.cfg.max_unmerged
+        if m is None:
+            return []
+        now = unmerged_files(self.run_dir)
+        return [k for k, n in now.items() if n > m and n >= self.after_pass[k] + m // 2]
+
+    def wait(self, stop: StopFlag) -> list[str]:
+        """Wait for the next pass; the kinds that started it early ([] when every_s ran out or on stop)."""
+        deadline = time.monotonic() + self.cfg.every_s
+        while not stop:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            if self.cfg.max_unmerged is None:
+                stop.wait(left)
+                continue
+            stop.wait(min(self.count_every_s, left))
+            if stop:
+                break
+            try:
+                kinds = self.over()
+            except FileNotFoundError:   # a file set's folder or manifest being replaced: count again later
+                continue
+            if kinds:
+                return kinds
+        return []
+
+
 def release_arrow_memory() -> None:
     """Give the pages Arrow's allocator keeps after a pass back to the system. A pass reads and
     writes whole row groups; between passes the daemon holds nothing, but mimalloc (pyarrow's
@@ -319,25 +393,31 @@ def release_arrow_memory() -> None:
 
 
 def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFlag | None = None) -> dict:
-    """Compact the run's files every `cfg.every_s` seconds until stopped; returns the totals."""
+    """Compact the run's files every `cfg.every_s` seconds, and early when a set holds more than
+    `cfg.max_unmerged` unmerged files (EarlyTrigger), until stopped; returns the totals."""
     if cfg.every_s is None:
         raise ValueError("CompactorConfig.every_s is None: this run has no compactor")
     if stop is None:
         with StopFlag() as own:
             return run_compactor(run_dir, cfg, own)
-    totals = {"passes": 0, "merged_files": 0, "written_files": 0, "deleted_files": 0, "groups": 0,
+    totals = {"passes": 0, "early_passes": 0, "merged_files": 0, "written_files": 0, "deleted_files": 0, "groups": 0,
               "quarantined": 0, "retired_files": 0, "retired_groups": 0, "aborted_uploads": 0, "seconds": 0.0}
     log.info("compacting %s every %.0f s (files older than %.0f s; %d groups a shard, %d rows a ledger/metrics "
-             "file)", run_dir, cfg.every_s, cfg.min_age_s, cfg.target_groups, cfg.target_rows)
+             "file)%s", run_dir, cfg.every_s, cfg.min_age_s, cfg.target_groups, cfg.target_rows,
+             "" if cfg.max_unmerged is None else f", and at once when a set has over {cfg.max_unmerged} unmerged files")
     if cfg.keep_versions is not None:
         log.info("retention: shards more than %d versions behind the trainer's oldest checkpoint are %s",
                  cfg.keep_versions, "archived to buffer/archive/shards/" if cfg.retention == "archive" else "deleted")
     disk = DiskWatch()
+    trigger = EarlyTrigger(run_dir, cfg)
     swept = None       # when abort_stale_uploads last ran (monotonic)
+    early: list[str] = []
     while not stop:
         t0 = time.perf_counter()
         reports = compact_run(run_dir, cfg)
+        trigger.passed()
         took = time.perf_counter() - t0
+        totals["early_passes"] += bool(early)
         kept = reports.pop("retention", None)
         totals["passes"] += 1
         totals["seconds"] += took
@@ -357,8 +437,9 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
                          f"version {kept.below_version}; trainer version {kept.trainer_version}), "
                          f"deleted {kept.deleted_files}")
         if parts or any(r.quarantined for r in reports.values()):
-            log.info("pass in %.2f s: %s; live files %s; rss %.0f MiB", took, "; ".join(parts), live_files(run_dir),
-                     rss_mb())
+            log.info("pass%s in %.2f s: %s; live files %s; rss %.0f MiB",
+                     f" (early: {', '.join(early)} over {cfg.max_unmerged} unmerged)" if early else "", took,
+                     "; ".join(parts), live_files(run_dir), rss_mb())
         release_arrow_memory()
         disk.check(run_dir, cfg)
         if swept is None or time.monotonic() - swept >= SWEEP_EVERY_S:
@@ -367,5 +448,5 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
             except Exception as e:  # noqa: BLE001 - housekeeping: the next sweep tries again
                 log.warning("could not abort stale multipart uploads of %s: %s", run_dir, e)
             swept = time.monotonic()
-        stop.wait(cfg.every_s)
+        early = trigger.wait(stop)
     return totals
