@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Literal
 
 import buffer
-from buffer.compaction import unmerged_count
 from buffer.layout import run_file_set
 from buffer.retention import ACTIONS, RetentionReport, newest_trainer_version, retire_old_shards
 from buffer.store import RemotePath, as_path
@@ -328,10 +327,10 @@ def unmerged_files(run_dir: str | os.PathLike) -> dict[str, int]:
     out = dict.fromkeys(KINDS, 0)
     if buffer.BufferDir.is_buffer(run / "buffer"):
         d = buffer.BufferDir(run / "buffer")
-        out["shards"], out["ledger"] = unmerged_count(d.shard_set), unmerged_count(d.ledger_set)
+        out["shards"], out["ledger"] = buffer.unmerged_count(d.shard_set), buffer.unmerged_count(d.ledger_set)
     for kind in ("metrics", "generator_metrics"):
         if (run / kind).is_dir():
-            out[kind] = unmerged_count(run_file_set(run / kind, kind))
+            out[kind] = buffer.unmerged_count(run_file_set(run / kind, kind))
     return out
 
 

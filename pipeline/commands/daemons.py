@@ -188,8 +188,11 @@ def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
     """Run the compactor daemon on the run in --run until SIGTERM / SIGINT.
 
     Every compactor.every_s seconds, merges the buffer's sealed small shards
-    (older than compactor.min_age_s) into c-files, so the number of live files
-    stays bounded however long the run goes; safe beside generators, the
+    (older than compactor.min_age_s) into c-files, and the ledger's and the
+    metrics' small files likewise; at once, younger ones too, when a kind has
+    more than compactor.max_unmerged files unmerged. So the number of live
+    files stays bounded however long the run goes and however fast its
+    generators write; safe beside generators, the
     trainer and SQL readers. `asyncgrpo run` starts one itself; run this one
     when the daemons of a run are spread over machines (one per run).
 

@@ -156,7 +156,7 @@ def compact(path: str, target_groups: int, min_age: float, grace: float) -> None
     Safe while generators, the trainer and SQL queries run: readers go
     through each kind's manifest, and replaced files are deleted after
     --grace. (The compactor daemon, which `asyncgrpo run` starts, does this
-    every 30 s.)
+    every 30 s, and at once when more than 256 files of a kind wait.)
 
     \b
     Example:
