@@ -148,6 +148,30 @@ def test_each_prompt_is_prefilled_once(backend):
     assert len(shapes) <= 5 and all(s[1] == 1 and s[0] <= len(PROMPTS) * 8 for s in shapes[1:])
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_finished_rows_leave_the_decode_batch(model_folders, shared):
+    # Each decode forward carries exactly the rows that have not sampled a stop token yet, and
+    # the log-probs still equal a teacher-forced pass: the kept rows' caches (the shared prefix
+    # with its scattered queries, or the copied cache's selected rows) are theirs.
+    b = HFBackend(model_folders[0])
+    b.prefix_sharing = shared
+    rows = []
+    hook = b.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
+    try:
+        groups = b.generate(PROMPTS, n=32, sampling=sampling, seed=11)
+    finally:
+        hook.remove()
+    lengths = [len(r.token_ids) for g in groups for r in g]
+    # the forward after sampling position t carries the rows longer than t + 1 tokens
+    want = [sum(n > t + 1 for n in lengths) for t in range(max(lengths) - 1)]
+    assert rows[1:] == want and want[-1] < want[0] < len(lengths)
+    worst = max((torch.tensor(r.logprobs) - teacher_forced(b.model, ids, r.token_ids, 1.0)).abs().max().item()
+                for ids, g in zip(b.prompt_token_ids(PROMPTS), groups) for r in g)
+    assert worst < 1e-5, worst
+
+
 # -- seeds, stopping ------------------------------------------------------------------------------
 
 def test_seed_reproduces_and_differs(model_folders, backend):

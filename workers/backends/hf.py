@@ -17,8 +17,12 @@ just never materialises G copies of the prompt. With a 256-token prompt and
 G = 8 that is 8x less memory traffic per step than copying the cache
 (`DynamicCache.batch_repeat_interleave`), which is kept as the fallback for
 models with sliding-window or soft-capped attention. Rows that sample a stop
-token keep being fed <pad> (their logits are ignored and their output padded);
-the loop ends when every row has stopped or max_new_tokens is reached.
+token leave the batch: the layers after them compute only the rows still
+decoding (late in a run on the built-in task, 40% of the rows decode a last
+token the others do not need; in reasoning tasks lengths vary far more), and
+the shared-prefix attention scatters their queries back into the (prompt,
+sample) layout. Outputs of finished rows are padded. The loop ends when every
+row has stopped or max_new_tokens is reached.
 
 The attention mask hides the left padding and position ids count real tokens
 only, so a prompt gets the same logits alone or in a batch.
@@ -90,7 +94,9 @@ class PrefixSharedKV:
     own keys/values to a preallocated (B, Hkv, T, D) buffer, taken from `pool` (which keeps it for
     the next call) or allocated for this call alone. `update` (called by each attention
     layer) stores the step's key/value and returns a handle that `prefix_shared_attention` reads;
-    `advance()` after each forward moves to the next position.
+    `advance()` after each forward moves to the next position. `keep(mask)` drops finished rows:
+    the following forwards carry only the rows in `self.rows` (indices into the B rows), whose
+    buffers stay where they are.
     """
 
     def __init__(self, prefix_cache, prefix_mask: torch.Tensor, n: int, max_new_tokens: int,
@@ -103,35 +109,58 @@ class PrefixSharedKV:
         self.prefix_bias.masked_fill_(prefix_mask[:, None, None, :] == 0, float("-inf"))
         shape = (N * n, Hkv, max_new_tokens, D)
         self.suffix = (pool or SuffixPool()).take(shape, len(self.prefix), k)   # [(keys, values)] per layer
+        self.rows: torch.Tensor | None = None      # the rows a forward carries (indices into B); None: all
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key, value: (B, Hkv, 1, D), the step's new entries for layer `layer_idx`."""
+        """key, value: (B', Hkv, 1, D), the step's new entries of the rows carried, for layer `layer_idx`."""
         sk, sv = self.suffix[layer_idx]
-        sk[:, :, self.length] = key[:, :, 0]
-        sv[:, :, self.length] = value[:, :, 0]
+        if self.rows is None:
+            sk[:, :, self.length] = key[:, :, 0]
+            sv[:, :, self.length] = value[:, :, 0]
+        else:
+            sk[self.rows, :, self.length] = key[:, :, 0]
+            sv[self.rows, :, self.length] = value[:, :, 0]
         return (self, layer_idx), None
 
     def advance(self) -> None:
         self.length += 1
 
+    def keep(self, mask: torch.Tensor) -> None:
+        """Carry only the rows of the last forward where `mask` (B',) bool is True from now on."""
+        rows = torch.arange(self.suffix[0][0].shape[0], device=mask.device) if self.rows is None else self.rows
+        self.rows = rows[mask]
+
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """softmax([q Kp^T | q Ks^T] * scaling + mask) [Vp; Vs] for query (B, Hq, 1, D) -> (B, 1, Hq, D)."""
+        """softmax([q Kp^T | q Ks^T] * scaling + mask) [Vp; Vs] for query (B', Hq, 1, D) -> (B', 1, Hq, D)."""
         kp, vp = self.prefix[layer_idx]                                    # (N, Hkv, P, D)
         sk, sv = self.suffix[layer_idx]
         ks, vs = sk[:, :, :self.length + 1], sv[:, :, :self.length + 1]    # (B, Hkv, L, D)
-        B, Hq, _, D = query.shape
+        rows = self.rows
+        if rows is not None:                                               # the rows carried: B' of B
+            ks, vs = ks[rows], vs[rows]                                    # (B', Hkv, L, D)
+        Bc, Hq, _, D = query.shape
         N, Hkv, P, _ = kp.shape
         n, r = self.n, Hq // Hkv
-        # a prompt's n rows (and GQA's r query heads per kv head) share its keys: (N, Hkv, n*r, D)
-        qg = query.view(N, n, Hkv, r, D).permute(0, 2, 1, 3, 4).reshape(N, Hkv, n * r, D)
+        B = N * n
+        # a prompt's n rows (and GQA's r query heads per kv head) share its keys: (N, Hkv, n*r, D);
+        # finished rows, not carried, get zero queries here and their results are dropped
+        qb = query if rows is None else query.new_zeros(B, Hq, 1, D).index_copy_(0, rows, query)
+        qg = qb.view(N, n, Hkv, r, D).permute(0, 2, 1, 3, 4).reshape(N, Hkv, n * r, D)
         sp = torch.matmul(qg, kp.transpose(-1, -2)).float() * scaling + self.prefix_bias   # (N, Hkv, n*r, P)
         sp = sp.view(N, Hkv, n, r, P).permute(0, 2, 1, 3, 4).reshape(B, Hkv, r, P)
-        ss = torch.matmul(query.view(B, Hkv, r, D), ks.transpose(-1, -2)).float() * scaling  # (B, Hkv, r, L)
-        probs = torch.cat([sp, ss], dim=-1).softmax(dim=-1).to(query.dtype)                 # (B, Hkv, r, P+L)
-        pp = probs[..., :P].reshape(N, n, Hkv, r, P).permute(0, 2, 1, 3, 4).reshape(N, Hkv, n * r, P)
+        if rows is not None:
+            sp = sp[rows]                                                                    # (B', Hkv, r, P)
+        ss = torch.matmul(query.view(Bc, Hkv, r, D), ks.transpose(-1, -2)).float() * scaling  # (B', Hkv, r, L)
+        probs = torch.cat([sp, ss], dim=-1).softmax(dim=-1).to(query.dtype)                  # (B', Hkv, r, P+L)
+        pp = probs[..., :P]
+        if rows is not None:
+            pp = pp.new_zeros(B, Hkv, r, P).index_copy_(0, rows, pp)
+        pp = pp.reshape(N, n, Hkv, r, P).permute(0, 2, 1, 3, 4).reshape(N, Hkv, n * r, P)
         out = torch.matmul(pp, vp).view(N, Hkv, n, r, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, r, D)
-        out = out + torch.matmul(probs[..., P:], vs)                                        # (B, Hkv, r, D)
-        return out.reshape(B, Hq, 1, D).transpose(1, 2)                                     # (B, 1, Hq, D)
+        if rows is not None:
+            out = out[rows]                                                                  # (B', Hkv, r, D)
+        out = out + torch.matmul(probs[..., P:], vs)                                         # (B', Hkv, r, D)
+        return out.reshape(Bc, Hq, 1, D).transpose(1, 2)                                     # (B', 1, Hq, D)
 
 
 class SuffixPool:
@@ -291,25 +320,32 @@ class HFBackend:
 
         tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=dev)
         logps = torch.zeros((B, T), dtype=torch.float32, device=dev)
-        live = torch.ones(B, dtype=torch.bool, device=dev)
+        rows = torch.arange(B, device=dev)             # the rows still decoding; logits, next_pos: theirs
         attn = self.model.config._attn_implementation
         try:
             if self.prefix_sharing:
                 self.model.config._attn_implementation = ATTENTION_NAME
             for t in range(T):
-                tok, lp = sample_tokens(logits, sampling, generator)          # (B,), (B,)
-                tokens[:, t] = torch.where(live, tok, self.pad_id)
-                logps[:, t] = torch.where(live, lp, 0.0)
-                live &= ~torch.isin(tok, self._stop)
-                if t == T - 1 or not bool(live.any()):
+                tok, lp = sample_tokens(logits, sampling, generator)          # (B',), (B',)
+                tokens[rows, t] = tok
+                logps[rows, t] = lp
+                going = ~torch.isin(tok, self._stop)                          # (B',)
+                if t == T - 1 or not bool(going.any()):
                     break
+                if not bool(going.all()):                                     # finished rows leave the batch
+                    rows, tok, next_pos = rows[going], tok[going], next_pos[going]
+                    if self.prefix_sharing:
+                        cache.keep(going)
+                    else:
+                        cache.batch_select_indices(going.nonzero().squeeze(-1))
+                        step_mask = step_mask[going]
                 if not self.prefix_sharing:
-                    step_mask = torch.cat([step_mask, step_mask.new_ones(B, 1)], dim=-1)
-                out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=step_mask, position_ids=next_pos,
+                    step_mask = torch.cat([step_mask, step_mask.new_ones(len(rows), 1)], dim=-1)
+                out = self.model(input_ids=tok[:, None], attention_mask=step_mask, position_ids=next_pos,
                                  past_key_values=cache, use_cache=True)
                 if self.prefix_sharing:
                     cache.advance()
-                logits = out.logits[:, -1]                                    # (B, V)
+                logits = out.logits[:, -1]                                    # (B', V)
                 next_pos = next_pos + 1
         finally:
             self.model.config._attn_implementation = attn
