@@ -135,6 +135,23 @@ def test_max_sequences_splits_batches_without_changing_greedy_outputs(model_fold
     assert [[r.token_ids for r in g] for g in got] == [[r.token_ids for r in g] for g in want]
 
 
+def test_prompt_ids_are_kept_and_equal_the_tokenizers(model_folders, monkeypatch):
+    import workers.backends.hf as hf
+    b = HFBackend(model_folders[0])
+    calls = []
+    real = hf.encode_prompts
+    monkeypatch.setattr(hf, "encode_prompts", lambda tok, texts, chat: calls.append(list(texts)) or real(tok, texts, chat))
+    monkeypatch.setattr(hf, "PROMPT_IDS_CACHE", 4)
+    texts = ["12+34=", "5*6=", "12+34=", "7-"]
+    want = real(b.tokenizer, texts, None)
+    assert b.prompt_token_ids(texts) == want and calls == [["12+34=", "5*6=", "7-"]]   # each text once
+    got = b.prompt_token_ids(texts)
+    got[0].append(99)                                  # a caller's list is its own
+    assert b.prompt_token_ids(texts) == want and len(calls) == 1
+    assert b.prompt_token_ids(["1+1=", "2+2="]) == real(b.tokenizer, ["1+1=", "2+2="], None)
+    assert calls[-1] == ["1+1=", "2+2="] and len(b._prompt_ids) == 2               # 3 + 2 > 4: dropped first
+
+
 def test_each_prompt_is_prefilled_once(backend):
     shapes = []
     hook = backend.model.register_forward_pre_hook(
