@@ -18,8 +18,8 @@ G = 8 that is 8x less memory traffic per step than copying the cache
 (`DynamicCache.batch_repeat_interleave`), which is kept as the fallback for
 models with sliding-window or soft-capped attention. Rows that sample a stop
 token leave the batch: the layers after them compute only the rows still
-decoding (late in a run on the built-in task, 40% of the rows decode a last
-token the others do not need; in reasoning tasks lengths vary far more), and
+decoding (late in a soak on the built-in task, 60% of the rows have stopped
+before a call's last forward; in reasoning tasks lengths vary far more), and
 the shared-prefix attention scatters their queries back into the (prompt,
 sample) layout. Outputs of finished rows are padded. The loop ends when every
 row has stopped or max_new_tokens is reached.
