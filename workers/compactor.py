@@ -46,7 +46,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import buffer
 from buffer.layout import run_file_set
@@ -56,6 +56,9 @@ from workers.checks import is_int, is_num, require
 from workers.proc import rss_mb
 from workers.remote_weights import work_dir
 from workers.stop import StopFlag
+
+if TYPE_CHECKING:
+    from buffer.fileset import FileSet
 
 log = logging.getLogger("asyncgrpo.compactor")
 
@@ -308,30 +311,29 @@ def abort_stale_uploads(run_dir: str | os.PathLike, older_than_s: float | None =
     return aborted
 
 
-def live_files(run_dir: str | os.PathLike) -> dict[str, int]:
-    """Live files of each kind (KINDS) in a run: what every reader lists."""
+def run_file_sets(run_dir: str | os.PathLike) -> dict[str, "FileSet"]:
+    """The file sets of a run that exist yet, by kind (KINDS)."""
     run = as_path(run_dir)
-    out = dict.fromkeys(KINDS, 0)
+    out = {}
     if buffer.BufferDir.is_buffer(run / "buffer"):
         d = buffer.BufferDir(run / "buffer")
-        out["shards"], out["ledger"] = len(d.live_shard_names()), len(d.ledger_shard_names())
+        out["shards"], out["ledger"] = d.shard_set, d.ledger_set
     for kind in ("metrics", "generator_metrics"):
         if (run / kind).is_dir():
-            out[kind] = len(run_file_set(run / kind, kind).live_names())
+            out[kind] = run_file_set(run / kind, kind)
     return out
+
+
+def live_files(run_dir: str | os.PathLike) -> dict[str, int]:
+    """Live files of each kind (KINDS) in a run: what every reader lists."""
+    sets = run_file_sets(run_dir)
+    return {k: len(sets[k].live_names()) if k in sets else 0 for k in KINDS}
 
 
 def unmerged_files(run_dir: str | os.PathLike) -> dict[str, int]:
     """Live files of each kind (KINDS) in a run that are not merged yet (as their writers left them)."""
-    run = as_path(run_dir)
-    out = dict.fromkeys(KINDS, 0)
-    if buffer.BufferDir.is_buffer(run / "buffer"):
-        d = buffer.BufferDir(run / "buffer")
-        out["shards"], out["ledger"] = buffer.unmerged_count(d.shard_set), buffer.unmerged_count(d.ledger_set)
-    for kind in ("metrics", "generator_metrics"):
-        if (run / kind).is_dir():
-            out[kind] = buffer.unmerged_count(run_file_set(run / kind, kind))
-    return out
+    sets = run_file_sets(run_dir)
+    return {k: buffer.unmerged_count(sets[k]) if k in sets else 0 for k in KINDS}
 
 
 class EarlyTrigger:
