@@ -19,10 +19,10 @@ Each pass, under the set's lock:
    newest `max_unmerged // 2`; for rollout shards with `fanout` set, c-files of at least
    half the target go to levels instead: `fanout` c-files of level k (t *
    fanout^(k-1) <= groups < t * fanout^k, t = target / 2, k >= 1, oldest
-   first) become one of the next level, up to
-   `max_groups` groups a file, so a run of N groups keeps about
-   N / max_groups + (fanout - 1) * levels c-files instead of N / target, and
-   each group is rewritten about once per level;
+   first) become one of the next level, up to `max_groups` groups and
+   `max_bytes` bytes a file (the sources' sizes summed), so a run of N groups
+   keeps about N / (the largest file) + (fanout - 1) * levels c-files instead
+   of N / target, and each group is rewritten about once per level;
 2. writes each batch of them as one c-file (rollout shards keep their sources'
    row groups, each holding whole groups, so a pull still reads only the row
    groups it needs); the c-file is invisible until step 3; its footer names
@@ -59,7 +59,11 @@ from buffer.schema import parquet_write_options
 
 LEDGER_TARGET_ROWS = 262_144   # ledger records per merged ledger file (one per group pulled)
 C_ROW_GROUP_GROUPS = 256       # groups per row group of a merged rollout shard (at least; whole source row groups)
-LEVEL_MAX_GROUPS = 65_536      # no level merge writes a file of more groups (compactor.max_groups)
+LEVEL_MAX_GROUPS = 65_536      # with retention, no level merge writes a file of more groups (compactor.max_groups)
+LEVEL_MAX_BYTES = 1 << 30      # no level merge writes a file of more bytes (compactor.max_file_mb)
+# A merge sums its groups per (version, filtered, reason) for the footer's summary every this many groups,
+# so its memory is that many groups' first rows, not a level file's millions
+SUMMARY_CHUNK_GROUPS = 65_536
 # Row groups of a level merge (old data, rarely pulled) hold at least this many bytes (Arrow, uncompressed)
 # as well: DuckDB pays per row group, and an aggregate over row groups of 2,048 rows took twice as long
 # as over 16,384 (10.7M rows, 2 cores); a pull from such a file reads one of them.
@@ -84,9 +88,11 @@ class CompactionReport:
 
 def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: float = 60.0,
             grace_s: float = 300.0, min_files: int = 2, fanout: int | None = None,
-            max_groups: int = LEVEL_MAX_GROUPS, max_unmerged: int | None = None) -> CompactionReport:
+            max_groups: int | None = None, max_bytes: int | None = LEVEL_MAX_BYTES,
+            max_unmerged: int | None = None) -> CompactionReport:
     """Merge sealed small rollout shards into c-files of about `target_groups` groups, and with
-    `fanout`, c-files into levels of up to `max_groups` groups; with `max_unmerged`, young shards
+    `fanout`, c-files into levels of up to `max_groups` groups and `max_bytes` bytes (None: no limit);
+    with `max_unmerged`, young shards
     too when more than that many are unmerged; see module doc."""
     d = BufferDir(root)
     fs = d.shard_set
@@ -94,7 +100,7 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
     with d.lock:
         now = time.time()
         candidates: list[tuple[Path, int]] = []
-        merged: list[tuple[Path, int]] = []   # sealed c-files of at least target_groups / 2: level merges
+        merged: list[tuple[Path, int, int]] = []   # sealed c-files of >= target_groups / 2, groups, bytes: levels
         cache = _GROUP_COUNTS.get(d.root, {})
         seen: dict[str, tuple[int, int, int]] = {}
         listed = _stat_live(fs)
@@ -118,12 +124,12 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
                 report.quarantined += 1
                 continue
             if fanout and p.name.startswith("c-") and groups >= target_groups // 2:
-                merged.append((p, groups))   # a base merge's c-file (at most target_groups, often a few less)
+                merged.append((p, groups, st.st_size))   # a base merge's c-file (at most target_groups, often a few less)
             elif groups < target_groups:
                 candidates.append((p, groups))
         _GROUP_COUNTS[d.root] = seen   # bounded: only the live (sealed) names stay
         base = [b for b in _batches(candidates, target_groups) if len(b) >= min_files]
-        levels = _levels(merged, max(target_groups // 2, 1), fanout, max_groups) if fanout else []
+        levels = _levels(merged, max(target_groups // 2, 1), fanout, max_groups, max_bytes) if fanout else []
         # Two swaps: the young shards' merges go live before the (longer) level merges are written, so
         # the live file count does not wait on them.
         for batches, rg_bytes in ((base, 0), (levels, LEVEL_ROW_GROUP_BYTES)):
@@ -257,23 +263,25 @@ def _batches(candidates: list[tuple[Path, int]], target: int) -> list[list[Path]
     return batches
 
 
-def _levels(files: list[tuple[Path, int]], base: int, fanout: int, max_groups: int) -> list[list[Path]]:
-    """Level merges: runs of `fanout` c-files of one level k >= 1 (base * fanout^(k-1) <= groups <
-    base * fanout^k), oldest first (c-file names sort by generation), where `fanout` of them make
-    at most `max_groups` groups."""
-    by_level: dict[int, list[tuple[Path, int]]] = {}
-    for p, n in files:
+def _levels(files: list[tuple[Path, int, int]], base: int, fanout: int, max_groups: int | None,
+            max_bytes: int | None) -> list[list[Path]]:
+    """Level merges: runs of `fanout` c-files (path, groups, bytes) of one level k >= 1 (base *
+    fanout^(k-1) <= groups < base * fanout^k), oldest first (c-file names sort by generation), where
+    `fanout` of them make at most `max_groups` groups and `max_bytes` bytes (None: no limit)."""
+    by_level: dict[int, list[tuple[Path, int, int]]] = {}
+    for p, n, size in files:
         level, top = 1, base * fanout
         while n >= top:
             level, top = level + 1, top * fanout
-        by_level.setdefault(level, []).append((p, n))
+        by_level.setdefault(level, []).append((p, n, size))
     out = []
     for level in sorted(by_level):
-        run = sorted(by_level[level], key=lambda pn: pn[0].name)
+        run = sorted(by_level[level], key=lambda f: f[0].name)
         for i in range(0, len(run) - fanout + 1, fanout):
             chunk = run[i:i + fanout]
-            if sum(n for _, n in chunk) <= max_groups:
-                out.append([p for p, _ in chunk])
+            if ((max_groups is None or sum(f[1] for f in chunk) <= max_groups)
+                    and (max_bytes is None or sum(f[2] for f in chunk) <= max_bytes)):
+                out.append([f[0] for f in chunk])
     return out
 
 
@@ -299,6 +307,8 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: i
     pending: list = []
     pending_groups = pending_bytes = 0
     firsts: list[pa.Table] = []   # each group's first row: its per-group columns, for the summary
+    firsts_groups = 0
+    cells: list[pa.Table] = []    # the summary of earlier firsts (SUMMARY_CHUNK_GROUPS at a time)
 
     def write_pending() -> None:
         nonlocal writer, pending, pending_groups, pending_bytes
@@ -318,6 +328,10 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: i
                     n = pc.count_distinct(t.column("group_id")).as_py()
                     pending.append(t.replace_schema_metadata(None))
                     firsts.append(t.filter(pc.equal(t.column("sample_index"), 0)).select(list(_SUMMARY_COLUMNS)))
+                    firsts_groups += n
+                    if firsts_groups >= SUMMARY_CHUNK_GROUPS:
+                        cells.append(_summary_cells(firsts))
+                        firsts, firsts_groups = [], 0
                     pending_groups += n
                     pending_bytes += t.nbytes
                     groups += n
@@ -330,7 +344,7 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: i
                 raise _Abort
             writer.add_key_value_metadata({"asyncgrpo.groups": str(groups),
                                            SOURCES_KEY.decode(): json.dumps(sources),
-                                           SUMMARY_KEY.decode(): json.dumps(_summary(firsts, sum(n for _, n in sources)))})
+                                           SUMMARY_KEY.decode(): json.dumps(_summary(firsts, cells, sum(n for _, n in sources)))})
             writer.close()
     except _Abort:  # atomic_file removed the temp file; nothing became visible
         return None
@@ -353,8 +367,8 @@ def _row_groups(d: BufferDir, p: Path, writer):
         raise _Abort from e
 
 
-def _summary(firsts: list[pa.Table], num_rows: int) -> dict:
-    """A merged shard's groups summed per (version, filtered, filter reason), for `status` (see read_summary)."""
+def _summary_cells(firsts: list[pa.Table]) -> pa.Table:
+    """Groups' first rows summed per (version, filtered, filter reason), in SHARD_SUMMARY's columns."""
     t = pa.concat_tables(firsts)
     t = pa.table({"version": t.column("version"), "filtered": pc.fill_null(t.column("filtered"), False),
                   "filter_reason": pc.fill_null(t.column("filter_reason"), ""),
@@ -362,10 +376,25 @@ def _summary(firsts: list[pa.Table], num_rows: int) -> dict:
                   "reward_sum": pc.multiply(t.column("group_reward_mean"), t.column("group_size").cast(pa.float64()))})
     agg = t.group_by(["version", "filtered", "filter_reason"], use_threads=False).aggregate(
         [("group_size", "count"), ("group_size", "sum"), ("reward_sum", "sum")])
-    cells = pa.table([agg.column(c) for c in ("version", "filtered", "filter_reason", "group_size_count",
-                                              "group_size_sum", "reward_sum_sum")], names=list(SHARD_SUMMARY))
-    cells = cells.sort_by([("version", "ascending"), ("filtered", "ascending"), ("filter_reason", "ascending")])
-    return {"rows": num_rows, "columns": pack_columns(cells)}
+    return pa.table([agg.column(c) for c in ("version", "filtered", "filter_reason", "group_size_count",
+                                             "group_size_sum", "reward_sum_sum")], names=list(SHARD_SUMMARY))
+
+
+def _summary(firsts: list[pa.Table], cells: list[pa.Table], num_rows: int) -> dict:
+    """A merged shard's groups summed per (version, filtered, filter reason), for `status` (see
+    read_summary): the `cells` of earlier chunks of its groups and the `firsts` rows of the rest."""
+    parts = cells + ([_summary_cells(firsts)] if firsts else [])
+    out = parts[0] if len(parts) == 1 else _sum_cells(pa.concat_tables(parts))
+    out = out.sort_by([("version", "ascending"), ("filtered", "ascending"), ("filter_reason", "ascending")])
+    return {"rows": num_rows, "columns": pack_columns(out)}
+
+
+def _sum_cells(t: pa.Table) -> pa.Table:
+    """Summary cells with the same (version, filtered, filter reason) added up."""
+    keys = list(SHARD_SUMMARY[:3])
+    agg = t.group_by(keys, use_threads=False).aggregate([(c, "sum") for c in SHARD_SUMMARY[3:]])
+    return pa.table([agg.column(c) for c in keys] + [agg.column(f"{c}_sum") for c in SHARD_SUMMARY[3:]],
+                    names=list(SHARD_SUMMARY))
 
 
 class _Abort(Exception):

@@ -156,3 +156,44 @@ def test_base_merges_go_live_before_the_level_merges_are_written(buf, monkeypatc
     compact(buf, **LEVELS)
     assert len(seen) == 4 and all(not (young & live) for live in seen)
     assert sorted(_live(buf).values()) == [20] + [40] * 4
+
+
+def test_without_max_groups_levels_go_on_so_the_c_file_count_grows_with_the_log_of_the_groups(buf):
+    # the daemon's default without retention: no group limit, only bytes; 320 groups in files of 10
+    _fill(buf, 320, flush_groups=10)
+    sizes = []
+    for _ in range(6):
+        compact(buf, target_groups=20, fanout=2, max_groups=None, max_bytes=None, **NOW)
+        sizes.append(sorted(_live(buf).values()))
+    # 32 shards -> 16 of 20 -> 8 of 40 -> 4 of 80 -> 2 of 160 -> 1 of 320, then nothing left to merge
+    assert sizes == [[20] * 16, [40] * 8, [80] * 4, [160] * 2, [320], [320]]
+    assert BufferSQL(buf).query("SELECT count(DISTINCT group_id) AS g FROM rollouts").to_pylist() == [{"g": 320}]
+
+
+def test_max_bytes_stops_a_level_merge_whose_sources_are_too_large(buf):
+    _fill(buf, 160, flush_groups=10)
+    compact(buf, target_groups=20, fanout=2, max_groups=None, **NOW)
+    c_files = BufferDir(buf).live_shards()
+    sizes = sorted(p.stat().st_size for p in c_files)
+    compact(buf, target_groups=20, fanout=2, max_groups=None, max_bytes=2 * sizes[0] - 1, **NOW)
+    assert sorted(_live(buf).values()) == [20] * 8                 # every pair is over: none merged
+    compact(buf, target_groups=20, fanout=2, max_groups=None, max_bytes=sizes[-1] + sizes[-2], **NOW)
+    assert sorted(_live(buf).values()) == [40] * 4
+
+
+def test_a_merge_sums_its_summary_in_chunks_to_the_same_cells(buf, monkeypatch):
+    import buffer.compaction as compaction
+
+    def merged_summary(root):
+        _fill(root, 120, filtered_every=3, versions=[i // 7 for i in range(120)])
+        compact(root, target_groups=200, **NOW)
+        (c,) = BufferDir(root).live_shards()
+        return summary_columns(read_summary(pq.read_metadata(c)), SHARD_SUMMARY)
+
+    whole = merged_summary(buf / "a")
+    monkeypatch.setattr(compaction, "SUMMARY_CHUNK_GROUPS", 25)    # 120 groups: 5 chunks, cells across them
+    chunked = merged_summary(buf / "b")
+    assert {k: v.tolist() for k, v in chunked.items()} == {k: v.tolist() for k, v in whole.items()}
+    assert len(whole["version"]) == 18 + 17                       # versions 0..17, each filtered and not
+    assert int(whole["groups"].sum()) == 120 and int(whole["completions"].sum()) == 480
+    assert float(whole["reward_sum"].sum()) == 40 * 4 + 80 * 2     # all-ones groups and [1, 0, 0, 1] ones

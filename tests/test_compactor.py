@@ -15,6 +15,7 @@ from buffer import BufferDir, BufferSQL, ShardWriter
 from conftest import REPO, make_group, run_cli
 from pipeline.config import load_config, save_config
 from pipeline.run import Supervisor
+from workers.compactor import CompactorConfig
 from workers.proc import rss_mb
 
 FAST = ["--set", "compactor.every_s=0.2", "--set", "compactor.min_age_s=0", "--set", "compactor.grace_s=0"]
@@ -75,10 +76,20 @@ def test_compactor_turned_off_is_a_user_error(run_with_shards):
                                               ("min_age_s", "-1", "a number of seconds >= 0"),
                                               ("target_groups", "1", "an integer >= 2"),
                                               ("fanout", "1", "an integer >= 2, or none"),
-                                              ("max_groups", "100", "an integer >= compactor.target_groups (4096)")])
+                                              ("max_groups", "100", "an integer >= compactor.target_groups (4096)"),
+                                              ("max_file_mb", "0", "a number of MiB > 0, or none")])
 def test_bad_compactor_settings_name_the_key(key, value, need):
     r = run_cli("config", "--set", f"compactor.{key}={value}")
     assert r.returncode == 2 and f"compactor.{key}" in r.stderr and need in r.stderr
+
+
+def test_level_merges_stop_at_65536_groups_only_with_retention():
+    assert (CompactorConfig().level_max_groups, CompactorConfig().level_max_bytes) == (None, 1 << 30)
+    assert CompactorConfig(keep_versions=8).level_max_groups == 65_536
+    assert CompactorConfig(keep_versions=8, target_groups=100_000, max_groups=None).level_max_groups == 100_000
+    assert CompactorConfig(keep_versions=8, max_groups=8192).level_max_groups == 8192
+    assert CompactorConfig(max_groups=8192, max_file_mb=None).level_max_bytes is None
+    assert CompactorConfig(max_file_mb=0.5).level_max_bytes == 1 << 19
 
 
 def test_run_starts_a_compactor_unless_it_is_off(tmp_path):

@@ -10,7 +10,8 @@ The compactor keeps the live file count bounded:
         compact_run(run, cfg):
             buffer.compact: rollout shards older than min_age_s (sealed) and smaller
                 than target_groups become c-files of about target_groups groups; fanout
-                c-files of a level become one of the next, up to max_groups groups
+                c-files of a level become one of the next, up to max_file_mb a file
+                (and max_groups groups; by default only with retention)
             buffer.compact_ledger: ledger files become merged files of about
                 target_rows records, in step order
             retention (only with keep_versions set): live shards whose groups are all
@@ -78,11 +79,17 @@ class CompactorConfig:
     """Groups per merged shard (c-file), >= 2."""
     fanout: int | None = 4
     """Level merges of rollout shards: this many c-files of one level (target_groups * fanout^(k-1) to
-    target_groups * fanout^k groups) become one of the next, up to max_groups groups a file, so a long
-    run keeps few large c-files (SQL and `status` pay per file and per row group) and rewrites each
-    group about once per level; >= 2, or none (c-files stay at about target_groups)."""
-    max_groups: int = 65_536
-    """Largest c-file a level merge writes, in groups, >= target_groups."""
+    target_groups * fanout^k groups) become one of the next, up to max_groups groups and max_file_mb a
+    file, so a long run keeps few large c-files (SQL and `status` pay per file and per row group) and
+    rewrites each group about once per level; >= 2, or none (c-files stay at about target_groups)."""
+    max_groups: int | None = None
+    """Largest c-file a level merge writes, in groups, >= target_groups. None: 65,536 with keep_versions
+    (retention retires whole files, so this bounds how far the hot buffer exceeds keep_versions), else
+    no limit but max_file_mb, so the c-file count grows with the log of the run's groups, not with
+    them (at 65,536 a file, a run of days would keep one more file per 65,536 groups)."""
+    max_file_mb: float | None = 1024.0
+    """Largest c-file a level merge writes, in MiB (its sources' sizes summed), > 0: bounds a pass's
+    rewrite (the compactor merges nothing else meanwhile). None: no limit."""
     target_rows: int = 262_144
     """Rows per merged ledger, metrics or generator-metrics file, >= 2."""
     keep_versions: int | None = None
@@ -115,6 +122,18 @@ class CompactorConfig:
     niceness, Unix; 0-19): on cores the trainer and generators keep busy, its merges then run in
     their gaps rather than taking turns with them. 0: the same priority."""
 
+    @property
+    def level_max_groups(self) -> int | None:
+        """max_groups, with its default filled in (see there)."""
+        if self.max_groups is None and self.keep_versions is not None:
+            from buffer.compaction import LEVEL_MAX_GROUPS   # lazily: --help loads no pyarrow
+            return max(LEVEL_MAX_GROUPS, self.target_groups)
+        return self.max_groups
+
+    @property
+    def level_max_bytes(self) -> int | None:
+        return None if self.max_file_mb is None else int(self.max_file_mb * (1 << 20))
+
     def __post_init__(self) -> None:
         require(self, "every_s", self.every_s is None or is_num(self.every_s, 0, lo_open=True),
                 "a number of seconds > 0, or none (no compactor)")
@@ -122,8 +141,11 @@ class CompactorConfig:
         require(self, "grace_s", is_num(self.grace_s, 0), "a number of seconds >= 0")
         require(self, "target_groups", is_int(self.target_groups, 2), "an integer >= 2")
         require(self, "fanout", self.fanout is None or is_int(self.fanout, 2), "an integer >= 2, or none (no levels)")
-        require(self, "max_groups", is_int(self.max_groups, 2) and self.max_groups >= self.target_groups,
-                f"an integer >= compactor.target_groups ({self.target_groups})")
+        require(self, "max_groups", self.max_groups is None or (is_int(self.max_groups, 2)
+                                                                and self.max_groups >= self.target_groups),
+                f"an integer >= compactor.target_groups ({self.target_groups}), or none")
+        require(self, "max_file_mb", self.max_file_mb is None or is_num(self.max_file_mb, 0, lo_open=True),
+                "a number of MiB > 0, or none (no limit)")
         require(self, "target_rows", is_int(self.target_rows, 2), "an integer >= 2")
         require(self, "keep_versions", self.keep_versions is None or is_int(self.keep_versions, 0),
                 "an integer >= 0 (at least trainer.max_staleness), or none (keep everything)")
@@ -165,7 +187,7 @@ def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict:
         # put them in one file with newer groups, which keeps them all until the newest is old enough.
         before = retire(run, cfg) if cfg.keep_versions is not None else None
         out["shards"] = buffer.compact(root, target_groups=cfg.target_groups, fanout=cfg.fanout,
-                                       max_groups=cfg.max_groups, **ages)
+                                       max_groups=cfg.level_max_groups, max_bytes=cfg.level_max_bytes, **ages)
         out["ledger"] = buffer.compact_ledger(root, target_rows=cfg.target_rows, **ages)
         if before is not None:
             after = retire(run, cfg)

@@ -150,7 +150,7 @@ def compact(path: str, target_groups: int, min_age: float, grace: float) -> None
     """Merge small sealed files of the buffer (or run) at PATH into large ones.
 
     Rollout shards become c-files of about --target-groups groups, and
-    every 4 c-files of one size level one of the next (up to 65,536 groups); the
+    every 4 c-files of one size level one of the next (up to 1 GiB a file); the
     ledger's one-file-per-pull records, and in a run directory the trainer's
     and the generators' metrics files, become files of up to 262,144 rows.
     Safe while generators, the trainer and SQL queries run: readers go
@@ -165,7 +165,7 @@ def compact(path: str, target_groups: int, min_age: float, grace: float) -> None
     root = find_buffer(path)
     defaults = CompactorConfig()
     r = buffer.compact(root, target_groups=target_groups, min_age_s=min_age, grace_s=grace, fanout=defaults.fanout,
-                       max_groups=max(defaults.max_groups, target_groups))
+                       max_groups=None, max_bytes=defaults.level_max_bytes)
     click.echo(f"merged {r.merged_files} shards ({r.groups} groups) into {r.written_files}; "
                f"deleted {r.deleted_files} replaced shards; quarantined {r.quarantined}")
     others = {"ledger": buffer.compact_ledger(root, min_age_s=min_age, grace_s=grace)}
