@@ -60,7 +60,7 @@ from buffer.schema import parquet_write_options
 LEDGER_TARGET_ROWS = 262_144   # ledger records per merged ledger file (one per group pulled)
 C_ROW_GROUP_GROUPS = 256       # groups per row group of a merged rollout shard (at least; whole source row groups)
 LEVEL_MAX_GROUPS = 65_536      # with retention, no level merge writes a file of more groups (compactor.max_groups)
-LEVEL_MAX_BYTES = 1 << 30      # no level merge writes a file of more bytes (compactor.max_file_mb)
+LEVEL_MAX_BYTES = 256 << 20     # no level merge writes a file of more bytes (compactor.max_file_mb)
 # A merge sums its groups per (version, filtered, reason) for the footer's summary every this many groups,
 # so its memory is that many groups' first rows, not a level file's millions
 SUMMARY_CHUNK_GROUPS = 65_536

@@ -84,7 +84,7 @@ def test_bad_compactor_settings_name_the_key(key, value, need):
 
 
 def test_level_merges_stop_at_65536_groups_only_with_retention():
-    assert (CompactorConfig().level_max_groups, CompactorConfig().level_max_bytes) == (None, 1 << 30)
+    assert (CompactorConfig().level_max_groups, CompactorConfig().level_max_bytes) == (None, 256 << 20)
     assert CompactorConfig(keep_versions=8).level_max_groups == 65_536
     assert CompactorConfig(keep_versions=8, target_groups=100_000, max_groups=None).level_max_groups == 100_000
     assert CompactorConfig(keep_versions=8, max_groups=8192).level_max_groups == 8192

@@ -87,9 +87,11 @@ class CompactorConfig:
     (retention retires whole files, so this bounds how far the hot buffer exceeds keep_versions), else
     no limit but max_file_mb, so the c-file count grows with the log of the run's groups, not with
     them (at 65,536 a file, a run of days would keep one more file per 65,536 groups)."""
-    max_file_mb: float | None = 1024.0
-    """Largest c-file a level merge writes, in MiB (its sources' sizes summed), > 0: bounds a pass's
-    rewrite (the compactor merges nothing else meanwhile). None: no limit."""
+    max_file_mb: float | None = 256.0
+    """Largest c-file a level merge writes, in MiB (its sources' sizes summed), > 0. It bounds a
+    pass: a level merge decodes and re-encodes its rows (row groups of 4 MiB), about 5 MB a second
+    on 2 cores, and meanwhile the compactor merges nothing else and holds the buffer's lock (which a
+    starting generator takes for its writer id). None: no limit."""
     target_rows: int = 262_144
     """Rows per merged ledger, metrics or generator-metrics file, >= 2."""
     keep_versions: int | None = None

@@ -150,7 +150,7 @@ def compact(path: str, target_groups: int, min_age: float, grace: float) -> None
     """Merge small sealed files of the buffer (or run) at PATH into large ones.
 
     Rollout shards become c-files of about --target-groups groups, and
-    every 4 c-files of one size level one of the next (up to 1 GiB a file); the
+    every 4 c-files of one size level one of the next (up to 256 MiB a file); the
     ledger's one-file-per-pull records, and in a run directory the trainer's
     and the generators' metrics files, become files of up to 262,144 rows.
     Safe while generators, the trainer and SQL queries run: readers go
