@@ -23,7 +23,7 @@ from pipeline.ray_launcher import RayLauncher
 from pipeline.run import run_pipeline
 from pipeline.rundir import evaluate_folder, prepare_model, read_run_info
 from workers.chat import ChatFormat, check_chat_template, encode_prompts
-from workers.compactor import run_compactor
+from workers.compactor import run_compactor, use_system_allocator
 from workers.generator import Admission, run_generator
 from workers.model import init_model, load_tokenizer
 from workers.proc import lower_priority
@@ -200,6 +200,7 @@ def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
     Example:
       asyncgrpo compactor --run runs/default --set compactor.every_s=60
     """
+    use_system_allocator()   # before pyarrow's import (ARROW_DEFAULT_MEMORY_POOL set: that pool)
     setup_logging()
     cfg = run_config(run_dir, overrides)
     if cfg.compactor.every_s is None:
