@@ -90,8 +90,9 @@ class CompactorConfig:
     max_file_mb: float | None = 256.0
     """Largest c-file a level merge writes, in MiB (its sources' sizes summed), > 0. It bounds a
     pass: a level merge decodes and re-encodes its rows (row groups of 4 MiB), 5-9 MB a second on 2
-    cores (a 139 MiB file took a 15.6 s pass in the synthetic soak), and meanwhile the compactor merges nothing else and holds the buffer's lock (which a
-    starting generator takes for its writer id). None: no limit."""
+    cores (a 139 MiB file took a 15.6 s pass in the synthetic soak), and meanwhile the compactor
+    merges nothing else and holds the buffer's lock (which a starting generator takes for its
+    writer id). None: no limit."""
     target_rows: int = 262_144
     """Rows per merged ledger, metrics or generator-metrics file, >= 2."""
     keep_versions: int | None = None
