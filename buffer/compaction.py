@@ -92,8 +92,7 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
             max_unmerged: int | None = None) -> CompactionReport:
     """Merge sealed small rollout shards into c-files of about `target_groups` groups, and with
     `fanout`, c-files into levels of up to `max_groups` groups and `max_bytes` bytes (None: no limit);
-    with `max_unmerged`, young shards
-    too when more than that many are unmerged; see module doc."""
+    with `max_unmerged`, young shards too when more than that many are unmerged; see module doc."""
     d = BufferDir(root)
     fs = d.shard_set
     report = CompactionReport()
@@ -370,14 +369,11 @@ def _row_groups(d: BufferDir, p: Path, writer):
 def _summary_cells(firsts: list[pa.Table]) -> pa.Table:
     """Groups' first rows summed per (version, filtered, filter reason), in SHARD_SUMMARY's columns."""
     t = pa.concat_tables(firsts)
-    t = pa.table({"version": t.column("version"), "filtered": pc.fill_null(t.column("filtered"), False),
-                  "filter_reason": pc.fill_null(t.column("filter_reason"), ""),
-                  "group_size": t.column("group_size").cast(pa.int64()),
-                  "reward_sum": pc.multiply(t.column("group_reward_mean"), t.column("group_size").cast(pa.float64()))})
-    agg = t.group_by(["version", "filtered", "filter_reason"], use_threads=False).aggregate(
-        [("group_size", "count"), ("group_size", "sum"), ("reward_sum", "sum")])
-    return pa.table([agg.column(c) for c in ("version", "filtered", "filter_reason", "group_size_count",
-                                             "group_size_sum", "reward_sum_sum")], names=list(SHARD_SUMMARY))
+    size = t.column("group_size").cast(pa.int64())
+    return _sum_cells(pa.table([t.column("version"), pc.fill_null(t.column("filtered"), False),
+                                pc.fill_null(t.column("filter_reason"), ""), pa.repeat(1, t.num_rows), size,
+                                pc.multiply(t.column("group_reward_mean"), size.cast(pa.float64()))],
+                               names=list(SHARD_SUMMARY)))
 
 
 def _summary(firsts: list[pa.Table], cells: list[pa.Table], num_rows: int) -> dict:
@@ -390,7 +386,8 @@ def _summary(firsts: list[pa.Table], cells: list[pa.Table], num_rows: int) -> di
 
 
 def _sum_cells(t: pa.Table) -> pa.Table:
-    """Summary cells with the same (version, filtered, filter reason) added up."""
+    """Rows in SHARD_SUMMARY's columns (cells, or one group each) with the same (version, filtered,
+    filter reason) added up."""
     keys = list(SHARD_SUMMARY[:3])
     agg = t.group_by(keys, use_threads=False).aggregate([(c, "sum") for c in SHARD_SUMMARY[3:]])
     return pa.table([agg.column(c) for c in keys] + [agg.column(f"{c}_sum") for c in SHARD_SUMMARY[3:]],
