@@ -82,6 +82,8 @@ def test_short_default_run_learns_and_keeps_the_invariants(default_run):
                     ).to_pylist()[0]["n"] == 0
     assert db.query("SELECT count(*) n FROM consumed").to_pylist()[0]["n"] == DEFAULT_RUN_STEPS * 32
     assert not processes_of(run)
+    for log in ("generator-0.log", "trainer.log", "compactor.log"):   # the daemons inherit the supervisor's
+        assert "Arrow allocator system" in (run / "logs" / log).read_text(), log   # choice: malloc
 
 
 def test_generator_crash_is_restarted_and_sigterm_leaves_no_children(tmp_path):

@@ -54,7 +54,7 @@ from buffer.layout import run_file_set
 from buffer.retention import ACTIONS, RetentionReport, newest_trainer_version, retire_old_shards
 from buffer.store import RemotePath, as_path
 from workers.checks import is_int, is_num, require
-from workers.proc import rss_mb
+from workers.proc import arrow_allocator, rss_mb
 from workers.remote_weights import work_dir
 from workers.stop import StopFlag
 
@@ -408,25 +408,9 @@ class EarlyTrigger:
         return []
 
 
-ARROW_POOL_ENV = "ARROW_DEFAULT_MEMORY_POOL"
-
-
-def use_system_allocator() -> None:
-    """Make Arrow allocate with malloc in this process (unless the user chose a pool); call before
-    pyarrow is imported, which reads it once. A pass reads and writes whole row groups and between
-    passes the daemon holds nothing, but mimalloc (pyarrow's default) keeps freed segments, and
-    release_unused() does not reach those of Arrow's reader threads: after merges of 8k, 16k and
-    62k groups (a copy of a 60-minute run's buffer) the process kept 136, 138 and 181 MiB with
-    mimalloc and release_unused(), 124, 125 and 126 MiB with malloc (which release_unused() trims),
-    and the three passes took the same time (1.94 and 2.04 s against 1.94 and 1.89 s). With mimalloc
-    the compactor's memory sampled a minute apart swung 174-223 MiB over the second half of a
-    60-minute soak, and its minute-60 sample was 1.12x its minute-30 one. pyarrow.set_memory_pool()
-    after the import is not enough: the process still kept 187-216 MiB."""
-    os.environ.setdefault(ARROW_POOL_ENV, "system")
-
-
 def release_arrow_memory() -> None:
-    """Give the memory Arrow's allocator keeps after a pass back to the system (see use_system_allocator)."""
+    """Give the memory Arrow's allocator keeps after a pass back to the system (see
+    workers.proc.use_system_allocator)."""
     import pyarrow as pa
 
     pa.default_memory_pool().release_unused()
@@ -442,12 +426,10 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
             return run_compactor(run_dir, cfg, own)
     totals = {"passes": 0, "early_passes": 0, "merged_files": 0, "written_files": 0, "deleted_files": 0, "groups": 0,
               "quarantined": 0, "retired_files": 0, "retired_groups": 0, "aborted_uploads": 0, "seconds": 0.0}
-    import pyarrow as pa
-
     log.info("compacting %s every %.0f s (files older than %.0f s; %d groups a shard, %d rows a ledger/metrics "
              "file)%s; Arrow allocator %s", run_dir, cfg.every_s, cfg.min_age_s, cfg.target_groups, cfg.target_rows,
              "" if cfg.max_unmerged is None else f", and at once when a set has over {cfg.max_unmerged} unmerged files",
-             pa.default_memory_pool().backend_name)
+             arrow_allocator())
     if cfg.keep_versions is not None:
         log.info("retention: shards more than %d versions behind the trainer's oldest checkpoint are %s",
                  cfg.keep_versions, "archived to buffer/archive/shards/" if cfg.retention == "archive" else "deleted")

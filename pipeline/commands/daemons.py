@@ -8,6 +8,7 @@ lazily), so `--help` stays fast.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,13 +24,21 @@ from pipeline.ray_launcher import RayLauncher
 from pipeline.run import run_pipeline
 from pipeline.rundir import evaluate_folder, prepare_model, read_run_info
 from workers.chat import ChatFormat, check_chat_template, encode_prompts
-from workers.compactor import run_compactor, use_system_allocator
+from workers.compactor import run_compactor
 from workers.generator import Admission, run_generator
 from workers.model import init_model, load_tokenizer
-from workers.proc import lower_priority
+from workers.proc import arrow_allocator, lower_priority, use_system_allocator
 from workers.rewards import Scorer
 from workers.tasks import load_task
 from workers.remote_weights import open_weights
+
+
+def _start_daemon(name: str) -> None:
+    """A daemon's first call: Arrow's allocator (before pyarrow's import), then logging, which
+    names the allocator."""
+    use_system_allocator()
+    setup_logging()
+    logging.getLogger(f"asyncgrpo.{name}").info("Arrow allocator %s", arrow_allocator())
 
 
 @click.command()
@@ -77,6 +86,7 @@ def run(config: str | None, run_dir: str, overrides: tuple[str, ...], resume: bo
       asyncgrpo run configs/gpu_vllm.toml --run /shared/runs/b --launcher ray --address auto
       AWS_ENDPOINT_URL=http://127.0.0.1:9000 asyncgrpo run --run s3://runs/c
     """
+    use_system_allocator()   # before pyarrow's import; the daemons it starts inherit it
     setup_logging()
     if launcher == "local" and address is not None and \
             click.get_current_context().get_parameter_source("address") == click.core.ParameterSource.COMMANDLINE:
@@ -122,7 +132,7 @@ def generate(run_dir: str, index: int, overrides: tuple[str, ...]) -> None:
     Example:
       asyncgrpo generate --run runs/default --index 1
     """
-    setup_logging()
+    _start_daemon("generator")
     cfg = run_config(run_dir, overrides)
     totals = run_generator(
         run_dir, cfg.generator, task=load_task(cfg.task), scorer=Scorer(cfg.reward),
@@ -154,7 +164,7 @@ def train(run_dir: str, resume: bool, offline: bool, overrides: tuple[str, ...])
       asyncgrpo train --run runs/old --offline --set trainer.max_steps=50
       torchrun --standalone --nproc_per_node 2 -m pipeline train --run-dir runs/default
     """
-    setup_logging()
+    _start_daemon("trainer")
     cfg = run_config(run_dir, overrides)
     info = read_run_info(as_path(run_dir))
     model = info.get("initial_model") or cfg.model.path
@@ -200,7 +210,7 @@ def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
     Example:
       asyncgrpo compactor --run runs/default --set compactor.every_s=60
     """
-    use_system_allocator()   # before pyarrow's import (ARROW_DEFAULT_MEMORY_POOL set: that pool)
+    use_system_allocator()   # before pyarrow's import; run_compactor logs the allocator
     setup_logging()
     cfg = run_config(run_dir, overrides)
     if cfg.compactor.every_s is None:
