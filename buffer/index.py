@@ -3,7 +3,8 @@
 The index reads only small scalar columns of each shard, once (shards never
 change), and each ledger file once; `refresh` picks up what appeared since the
 last call and follows compaction (a group that moved to a c-file keeps its
-state; a merged ledger file counts only the records of sources not read
+state, and is found there from the c-file's footer when the index read its
+source; a merged ledger file counts only the records of sources not read
 before). It gives group states and counts without scanning token columns, so a
 pull costs the same at 10,000 groups as at 100,000.
 
@@ -64,6 +65,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from buffer.fileset import read_sources
 from buffer.layout import BufferDir, BufferError, ledger_range
 from buffer.store import StoreError, parquet_file, read_table
 from buffer.retention import read_floor
@@ -84,6 +86,16 @@ def admission_limit(trainer_version: int, max_staleness: int | None, groups_per_
     if max_staleness is None:
         return None
     return (max_staleness + trainer_version + 1) * groups_per_step
+
+
+@dataclass
+class _MergePlan:
+    """How to index a c-file mostly from its footer (GroupIndex._merge_plan)."""
+
+    held: np.ndarray        # (H,) positions in the arrays of the held groups of sources read before
+    row_group: np.ndarray   # (H,) each one's row group in the c-file
+    row_start: np.ndarray   # (H,) and its first row there
+    read: list[int]         # the c-file's row groups to read: those with rows of sources not read before
 
 
 @dataclass
@@ -146,6 +158,7 @@ class GroupIndex:
         self.row_group = _Grow.of(np.int32)
         self.row_start = _Grow.of(np.int32)   # first row of the group within its row group
         self.files: list[Path] = []           # file_idx -> path
+        self._file_rows: list[np.ndarray] = []  # file_idx -> its row groups' first rows, then its row count
         self._file_of: dict[str, int] = {}    # live file name -> file_idx
         self._ledger_seen: set[str] = set()
         self._early_uses: dict[str, list[int]] = {}  # ledger ids whose shard is not indexed: [uses, refresh]
@@ -306,6 +319,63 @@ class GroupIndex:
         found = pc.index_in(ids, value_set=pa.array(self.group_ids, pa.string()))
         return pc.fill_null(found, -1).to_numpy().astype(np.int64)
 
+    def _add_file(self, path: Path, rg_rows: np.ndarray) -> int:
+        """Number a newly indexed live file (`rg_rows`: see _row_group_starts); its file_idx."""
+        fidx = len(self.files)
+        self.files.append(path)
+        self._file_rows.append(rg_rows)
+        self._file_of[path.name] = fidx
+        return fidx
+
+    def _merge_plan(self, meta: pq.FileMetaData, rg_rows: np.ndarray) -> _MergePlan | None:
+        """How to index a c-file without reading the rows of sources this index has read; None: read it all.
+
+        A c-file's rows are its sources' rows in order, their row groups whole (its footer
+        names them and their row counts: buffer/compaction.py). A source still in `_file_of`
+        was read before (or followed so), so the index has seen each of its groups: those it
+        holds move to the c-file, at rows computed from the source's row groups, and the rest
+        need nothing. Only the row groups that hold rows of other sources (shards merged before
+        this index listed them) are read. Reading the whole c-file instead decodes every row's
+        ids, in every daemon: after a level merge of 445,704 groups (75 MiB, the synthetic
+        soak's buffer) one refresh took 0.60 s and +211 MiB at its peak (+49 MiB kept), and
+        0.012 s and +0 MiB from the footer. None for a file without sources, or whose footer
+        disagrees with what was recorded of them.
+        """
+        sources = read_sources(meta)
+        if not sources:
+            return None
+        src = [self._file_of.get(name, -1) for name, _ in sources]
+        offsets = np.cumsum([0] + [rows for _, rows in sources], dtype=np.int64)
+        if offsets[-1] != rg_rows[-1] or any(f >= 0 and self._file_rows[f][-1] != rows
+                                             for f, (_, rows) in zip(src, sources)):
+            return None
+        of_source = np.full(len(self.files), -1, np.int64)
+        known = [j for j, f in enumerate(src) if f >= 0]
+        of_source[[src[j] for j in known]] = known
+        held = np.flatnonzero(of_source[self.file_idx.view] >= 0)
+        k = of_source[self.file_idx.view[held]]
+        row = np.empty(len(held), np.int64)     # each held group's first row in the c-file
+        for j in np.unique(k).tolist():
+            here = k == j
+            row[here] = (offsets[j] + self._file_rows[src[j]][self.row_group.view[held[here]]]
+                         + self.row_start.view[held[here]])
+        rgs = np.minimum(np.searchsorted(rg_rows, row, side="right") - 1, len(rg_rows) - 2)
+        if (row + self.group_size.view[held] > rg_rows[rgs + 1]).any():
+            return None   # a group past the end or across row groups: not a merge of whole row groups
+        read: set[int] = set()
+        for j, f in enumerate(src):
+            if f < 0 and offsets[j + 1] > offsets[j]:
+                lo, hi = np.searchsorted(rg_rows, [offsets[j], offsets[j + 1] - 1], side="right") - 1
+                read.update(range(int(lo), int(hi) + 1))
+        return _MergePlan(held, rgs.astype(np.int32), (row - rg_rows[rgs]).astype(np.int32), sorted(read))
+
+    def _follow(self, fidx: int, plan: _MergePlan) -> None:
+        """Move the held groups of a c-file's known sources to it (file `fidx`), as `plan` computed."""
+        self.file_idx.view[plan.held] = fidx
+        self.row_group.view[plan.held] = plan.row_group
+        self.row_start.view[plan.held] = plan.row_start
+        self.available.view[plan.held] = True
+
     def mark_unreadable(self, path: Path, reason: str) -> None:
         """Quarantine (or, read-only, skip) a shard; its groups become unavailable."""
         if self.quarantine:
@@ -321,7 +391,13 @@ class GroupIndex:
     def _index_shard(self, path: Path) -> None:
         try:
             pf = parquet_file(path)
-            table = pf.read(columns=INDEX_COLUMNS)
+            rg_rows = _row_group_starts(pf.metadata)
+            plan = self._merge_plan(pf.metadata, rg_rows)
+            if plan is None:
+                table, part = pf.read(columns=INDEX_COLUMNS), list(range(len(rg_rows) - 1))
+            else:
+                part = plan.read
+                table = pf.read_row_groups(part, columns=INDEX_COLUMNS) if part else None
         except FileNotFoundError:
             self._pass_complete = False   # this listing missed where its groups went: no watermark from it
             return  # compacted away between listing and reading; the c-file has its groups
@@ -329,6 +405,9 @@ class GroupIndex:
             raise
         except Exception as e:  # noqa: BLE001 - any decode error means the file is unusable
             self.mark_unreadable(path, f"unreadable: {type(e).__name__}: {e}")
+            return
+        if table is None:   # a c-file of sources all read before: its footer was enough
+            self._follow(self._add_file(path, rg_rows), plan)
             return
         enc = pc.dictionary_encode(table.column("group_id")).combine_chunks()
         codes = enc.indices.to_numpy()
@@ -345,17 +424,16 @@ class GroupIndex:
             self.mark_unreadable(path, f"partial group {gid!r}: rows do not match group_size"
                                  if gid else "shard has no rows")
             return
-        rg_starts = np.cumsum([0] + [pf.metadata.row_group(i).num_rows
-                                     for i in range(pf.metadata.num_row_groups)])[:-1]
-        rgs = (np.searchsorted(rg_starts, first, side="right") - 1).astype(np.int32)
-        rg_last = (np.searchsorted(rg_starts, last, side="right") - 1).astype(np.int32)
-        if (rgs != rg_last).any():
+        in_table = np.concatenate([[0], np.cumsum(np.diff(rg_rows)[part])])[:-1]   # the table: row groups `part`
+        j = np.searchsorted(in_table, first, side="right") - 1
+        if (j != np.searchsorted(in_table, last, side="right") - 1).any():
             self.mark_unreadable(path, "a group spans two row groups")
             return
-        starts = (first - rg_starts[rgs]).astype(np.int32)
-        fidx = len(self.files)
-        self.files.append(path)
-        self._file_of[path.name] = fidx
+        rgs = np.asarray(part, np.int32)[j]
+        starts = (first - in_table[j]).astype(np.int32)
+        fidx = self._add_file(path, rg_rows)
+        if plan is not None:
+            self._follow(fidx, plan)
         col = {c: table.column(c) for c in INDEX_COLUMNS}
         reasons = reason_codes(col["filter_reason"].take(first).to_pylist(),
                                col["filtered"].to_numpy(zero_copy_only=False)[first])
@@ -461,6 +539,7 @@ class GroupIndex:
         remap = np.full(len(self.files), -1, np.int64)
         remap[used] = np.arange(len(used))
         self.files = [self.files[i] for i in used.tolist()]
+        self._file_rows = [self._file_rows[i] for i in used.tolist()]
         self.file_idx.view[:] = remap[self.file_idx.view]
         self._file_of = {name: int(remap[i]) for name, i in self._file_of.items()}
 
@@ -496,6 +575,11 @@ class GroupIndex:
                         row[name] = row.get(name, 0) + int(self._retired_states[v, i])
             out["by_version"] = dict(sorted(bv.items()))
         return out
+
+
+def _row_group_starts(meta: pq.FileMetaData) -> np.ndarray:
+    """Each row group's first row in the file, then the file's row count: shape (row groups + 1,)."""
+    return np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)], dtype=np.int64)
 
 
 _WRITER_SEQ = r"^w(?P<w>[0-9]{1,18})-(?P<q>[0-9]{1,18})$"
