@@ -16,7 +16,7 @@ from conftest import REPO, make_group, run_cli
 from pipeline.config import load_config, save_config
 from pipeline.run import Supervisor
 from workers.compactor import CompactorConfig
-from workers.proc import rss_mb
+from workers.proc import ARROW_POOL_ENV, rss_mb, use_system_allocator
 
 FAST = ["--set", "compactor.every_s=0.2", "--set", "compactor.min_age_s=0", "--set", "compactor.grace_s=0"]
 
@@ -100,6 +100,15 @@ def test_run_starts_a_compactor_unless_it_is_off(tmp_path):
     assert on.helpers[0].argv[-3:] == ["compactor", "--run", str(tmp_path)]
     off = Supervisor(tmp_path, load_config(None, ["compactor.every_s=none"]), resume=False)
     assert [c.name for c in off.children()] == ["trainer", "generator-0"]
+
+
+def test_daemons_allocate_with_malloc_unless_the_user_chose_a_pool(monkeypatch):
+    monkeypatch.delenv(ARROW_POOL_ENV, raising=False)
+    use_system_allocator()
+    assert os.environ[ARROW_POOL_ENV] == "system"
+    monkeypatch.setenv(ARROW_POOL_ENV, "mimalloc")
+    use_system_allocator()
+    assert os.environ[ARROW_POOL_ENV] == "mimalloc"
 
 
 def test_rss_mb_is_this_process_resident_memory():

@@ -53,7 +53,7 @@ from workers.backends.base import SamplingConfig
 from workers.checks import is_int, is_num, require
 from workers.generator_stats import GeneratorStats
 from workers.model import ModelError
-from workers.proc import poll_delays
+from workers.proc import arrow_allocator, poll_delays
 from workers.scheduler import SchedulerConfig
 from workers.stop import StopFlag
 
@@ -157,7 +157,8 @@ def run_generator(run_dir: str | os.PathLike, cfg: GeneratorConfig, *, task, sco
                 raise
             log.info("weights v%d were pruned or replaced while loading; reading LATEST again", version)
             stop.wait(cfg.poll_seconds)
-    log.info("generator %s: loaded weights v%d (%s backend)", generator_id, version, cfg.backend)
+    log.info("generator %s: loaded weights v%d (%s backend; Arrow allocator %s)", generator_id, version,
+             cfg.backend, arrow_allocator())
     writer = ShardWriter(run / "buffer", generator_id=generator_id, flush_groups=cfg.flush_groups,
                          flush_seconds=cfg.flush_seconds)
     stats = GeneratorStats(run, generator_id, writer.writer_id, cfg.flush_seconds)

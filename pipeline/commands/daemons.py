@@ -8,7 +8,6 @@ lazily), so `--help` stays fast.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,18 +26,10 @@ from workers.chat import ChatFormat, check_chat_template, encode_prompts
 from workers.compactor import run_compactor
 from workers.generator import Admission, run_generator
 from workers.model import init_model, load_tokenizer
-from workers.proc import arrow_allocator, lower_priority, use_system_allocator
+from workers.proc import lower_priority, use_system_allocator
 from workers.rewards import Scorer
 from workers.tasks import load_task
 from workers.remote_weights import open_weights
-
-
-def _start_daemon(name: str) -> None:
-    """A daemon's first call: Arrow's allocator (before pyarrow's import), then logging, which
-    names the allocator."""
-    use_system_allocator()
-    setup_logging()
-    logging.getLogger(f"asyncgrpo.{name}").info("Arrow allocator %s", arrow_allocator())
 
 
 @click.command()
@@ -132,7 +123,8 @@ def generate(run_dir: str, index: int, overrides: tuple[str, ...]) -> None:
     Example:
       asyncgrpo generate --run runs/default --index 1
     """
-    _start_daemon("generator")
+    use_system_allocator()   # before pyarrow's import; the generator logs it once it runs
+    setup_logging()
     cfg = run_config(run_dir, overrides)
     totals = run_generator(
         run_dir, cfg.generator, task=load_task(cfg.task), scorer=Scorer(cfg.reward),
@@ -164,7 +156,8 @@ def train(run_dir: str, resume: bool, offline: bool, overrides: tuple[str, ...])
       asyncgrpo train --run runs/old --offline --set trainer.max_steps=50
       torchrun --standalone --nproc_per_node 2 -m pipeline train --run-dir runs/default
     """
-    _start_daemon("trainer")
+    use_system_allocator()   # before pyarrow's import; the trainer logs it once it runs
+    setup_logging()
     cfg = run_config(run_dir, overrides)
     info = read_run_info(as_path(run_dir))
     model = info.get("initial_model") or cfg.model.path

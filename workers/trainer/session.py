@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from workers.proc import arrow_allocator
 from workers.remote_weights import work_dir
 from workers.stop import StopFlag
 from workers.trainer.checkpoint import (RemoteCheckpoints, clean_tmp, list_checkpoints, load_checkpoint,
@@ -349,5 +350,6 @@ def _open_files(s: Session, model_folder: Path, state: dict | None, initial: dic
     clean_tmp(s.ckpt_dir)
     if s.ckpt_mirror is not None:
         s.ckpt_mirror.remove_after(s.step)
-    log.info("trainer at step %d, version %d (%s, %s); buffer %s", s.step, s.version,
-             "resumed" if state is not None else "fresh", "offline" if s.offline else "online", buffer_root)
+    log.info("trainer at step %d, version %d (%s, %s); buffer %s; Arrow allocator %s", s.step, s.version,
+             "resumed" if state is not None else "fresh", "offline" if s.offline else "online", buffer_root,
+             arrow_allocator())
