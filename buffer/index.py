@@ -336,10 +336,10 @@ class GroupIndex:
         holds move to the c-file, at rows computed from the source's row groups, and the rest
         need nothing. Only the row groups that hold rows of other sources (shards merged before
         this index listed them) are read. Reading the whole c-file instead decodes every row's
-        ids, in every daemon: after a level merge of 445,704 groups (75 MiB, the synthetic
-        soak's buffer) one refresh took 0.60 s and +211 MiB at its peak (+49 MiB kept), and
-        0.012 s and +0 MiB from the footer. None for a file without sources, or whose footer
-        disagrees with what was recorded of them.
+        ids, in every daemon: after level merges of 445,704 groups (75 MiB, the synthetic soak's
+        buffer) the next refresh took 0.59 s and +217 MiB at its peak (94 MiB kept) reading
+        them, 0.012 s and +0 MiB from their footers (bench/index_merge.py, medians of 3). None
+        for a file without sources, or whose footer disagrees with what was recorded of them.
         """
         sources = read_sources(meta)
         if not sources:
