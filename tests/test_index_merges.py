@@ -16,8 +16,7 @@ import buffer.index
 from buffer import BufferDir, BufferSQL, GroupIndex, Sampler, ShardWriter, compact
 from buffer.fileset import read_sources
 from conftest import make_group
-
-NOW = dict(min_age_s=0.0, grace_s=0.0)
+from test_compaction_sets import NOW
 
 
 def _write(buf, first: int, n: int) -> list[str]:
