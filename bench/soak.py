@@ -77,7 +77,9 @@ daemons start (the warm start is cached in runs/.cache), then SIGINT, as
 Ctrl-C (the run stops cleanly). Every 5 s: live files (shards, ledger,
 metrics, generator_metrics: live ones), kept as each minute's peak and low
 (a once-a-minute sample drifts through the compactor's ~30 s cycle, and its
-saw-tooth is that drift; the trend is judged on the peaks). Every
+saw-tooth is that drift; the trend is judged on the peaks), with the peaks of
+their two parts: the writers' files not merged yet (`unmerged_files_peak`) and
+the c-files (`merged_files_peak`), each with its own slope in the JSON. Every
 minute: live files, status
 time, one SQL aggregate's latency and whether it raised, the newest
 "memory/rss_mb" of the trainer and rss_mb of each generator from their
@@ -499,6 +501,14 @@ def live_files(run: Path) -> dict:
     return out
 
 
+def unmerged_files(run: Path) -> int:
+    """Live files of every kind not merged yet, as their writers left them (a second listing, so it may
+    differ from live_files' by the files written or merged in between)."""
+    from workers.compactor import unmerged_files as unmerged
+
+    return sum(unmerged(run).values())
+
+
 def invariants(run: Path) -> dict:
     """No group consumed twice; every consumed group in rollouts (SQL over the run)."""
     from buffer import BufferSQL
@@ -781,16 +791,21 @@ def real(base: Path, args, state: dict) -> dict:
     for m in range(1, args.minutes + 1):
         seen = []   # live files every LIVE_EVERY_S this minute: one sample a minute drifts through the
         next_look = time.time()   # compactor's cycle (a pass every ~30 s); the peak does not
+        unmerged, merged = [], []  # of those, the writers' files not merged yet, and the c-files
         while time.time() < t0 + 60 * m:
             sup.check()
             if time.time() >= next_look:
                 seen.append(live_files(run)["live_files"])
+                unmerged.append(unmerged_files(run))
+                merged.append(seen[-1] - unmerged[-1])
                 next_look += LIVE_EVERY_S
             time.sleep(min(1.0, max(0.0, t0 + 60 * m - time.time())))
         pids = _children_of(sup.pid)
         row = {"minute": m, "time": round(time.time(), 1), **live_files(run)}
         seen.append(row["live_files"])
         row["live_files_peak"], row["live_files_low"] = max(seen), min(seen)
+        row["unmerged_files_peak"] = max(unmerged, default=None)
+        row["merged_files_peak"] = max(merged, default=None)
         st = None
         if BufferDir.is_buffer(run / "buffer"):
             try:
@@ -892,9 +907,9 @@ def summarize_real(rows, inv, errors, status_errors, plot, csv_path) -> dict:
     def peak(r):
         return r.get("live_files_peak", r["live_files"])
 
-    def slope(rs):   # each minute's peak of live files, least squares over the later half, per minute
-        xs, ys = col("minute", rs), [peak(r) for r in rs]
-        return rnd(np.polyfit(xs, ys, 1)[0], 2) if len(xs) >= 2 else None
+    def slope(rs, value=peak):   # each minute's peak of live files, least squares over the later half, per minute
+        pts = [(r["minute"], value(r)) for r in rs if value(r) is not None]
+        return rnd(np.polyfit(*zip(*pts), 1)[0], 2) if len(pts) >= 2 else None
 
     daemons = sorted({k[:-len("_rss_mb")] for r in rows for k in r if k.endswith("_rss_mb")})
     out = {"minutes": n, "steps": rows[-1].get("steps") if rows else None,
@@ -902,6 +917,10 @@ def summarize_real(rows, inv, errors, status_errors, plot, csv_path) -> dict:
            "live_files_max_first_half": max((peak(r) for r in early), default=None),
            "live_files_max_second_half": max((peak(r) for r in late), default=None),
            "live_files_slope_second_half_per_min": slope(late),
+           # the same of the peaks' two parts: the writers' files not merged yet (bounded by
+           # compactor.max_unmerged a set), and the c-files (levels; they grow with the groups kept)
+           "unmerged_files_slope_second_half_per_min": slope(late, lambda r: r.get("unmerged_files_peak")),
+           "merged_files_slope_second_half_per_min": slope(late, lambda r: r.get("merged_files_peak")),
            "live_files_last": rows[-1]["live_files"] if rows else None}
     mid = rows[half - 1] if half >= 1 else (rows[0] if rows else {})
     end = rows[-1] if rows else {}
@@ -993,7 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for the real part's `asyncgrpo run` (repeatable), "
-                         "e.g. --set generator.scheduler.kind=difficulty")
+                         "e.g. --set generator.scheduler.kind=uniform")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="run the writer and trainer under cProfile; writer.prof and trainer.prof go to DIR")
     ap.add_argument("--role", choices=["writer", "trainer"], help=argparse.SUPPRESS)
