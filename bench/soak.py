@@ -49,6 +49,9 @@ measures, while everything runs:
                  sum(reward_sum) / sum(completions) FROM version_stats GROUP BY version"),
                  built from the shards' footer sums: no row is read, so it follows the
                  number of live files rather than the rows (measured the same way)
+  count_ms       `SELECT count(*) FROM rollouts` the same way: DuckDB counts rows from the footers
+                 and reads no column, so this is the fixed part of aggregate_ms (connection, views,
+                 a footer per file); aggregate_ms - count_ms is its scan of the rows
   pull_p50_ms, pull_p99_ms
                  percentiles of the trainer's successful pulls since the last tenth, leaving out
                  those that overlapped this bench's own measurements below (which grow with the
@@ -152,6 +155,8 @@ COMPACTOR_SETTINGS = ["compactor.every_s=5", "compactor.min_age_s=2", "compactor
 AGGREGATE_SQL = "SELECT version, avg(reward) AS reward FROM rollouts GROUP BY version"
 # The same answer from the version_stats table (the shards' footer sums, buffer/stats.py): no row scan.
 STATS_SQL = "SELECT version, sum(reward_sum) / sum(completions) AS reward FROM version_stats GROUP BY version"
+# The fixed part of AGGREGATE_SQL's cost: rows counted from the footers, no column read.
+COUNT_SQL = "SELECT count(*) AS n FROM rollouts"
 LIVE_EVERY_S = 5.0           # real part: live files are counted this often (each minute: its peak and low)
 DECILES = 10
 
@@ -447,6 +452,13 @@ def aggregate(run: Path) -> None:
     BufferSQL(run).query(AGGREGATE_SQL)
 
 
+def count(run: Path) -> None:
+    """Rows of rollouts on a fresh BufferSQL: the aggregate's fixed cost, without its scan."""
+    from buffer import BufferSQL
+
+    BufferSQL(run).query(COUNT_SQL)
+
+
 def stats(run: Path) -> None:
     """Mean reward by version from version_stats, on a fresh BufferSQL (every footer read)."""
     from buffer import BufferSQL
@@ -616,6 +628,7 @@ def synthetic(base: Path, args, state: dict) -> dict:
         (ctl / "measuring").touch()
         try:
             agg = measured(aggregate, run, errors)
+            cnt = measured(count, run, errors)
             vs = measured(stats, run, errors)
             st = measured(status, run, errors)
             st_cli = measured(status_cli, run, errors, repeat=False)
@@ -624,6 +637,7 @@ def synthetic(base: Path, args, state: dict) -> dict:
         row = {"decile": k, "steps": d["steps"], "groups": w.get("groups"), "trainable_groups": w.get("trainable"),
                "elapsed_s": round(time.time() - t_start, 1), "window_s": round(d["window_s"], 2),
                "aggregate_ms": rnd(None if agg is None else agg * 1e3, 1),
+               "count_ms": rnd(None if cnt is None else cnt * 1e3, 1),
                "stats_ms": rnd(None if vs is None else vs * 1e3, 1), "pull_p50_ms": rnd(d["pull_p50_ms"]),
                "pull_p99_ms": rnd(d["pull_p99_ms"]), "pull_p50_all_ms": rnd(d["pull_p50_all_ms"]),
                "pull_p99_all_ms": rnd(d["pull_p99_all_ms"]), "quiet_pulls": d["quiet_pulls"],
@@ -636,7 +650,8 @@ def synthetic(base: Path, args, state: dict) -> dict:
                "measure_errors": len(errors)}
         rows.append(row)
         log(f"  {k * 10:3d}%: step {row['steps']:,}, {row['groups'] or 0:,} groups, {row['window_s']:.1f} s "
-            f"this tenth | aggregate {row['aggregate_ms']} ms (version_stats {row['stats_ms']} ms), pull p50 {row['pull_p50_ms']:.1f} / p99 "
+            f"this tenth | aggregate {row['aggregate_ms']} ms (count {row['count_ms']} ms, version_stats "
+            f"{row['stats_ms']} ms), pull p50 {row['pull_p50_ms']:.1f} / p99 "
             f"{row['pull_p99_ms']:.1f} ms, status {row['status_s']} s (CLI {row['status_cli_s']} s) | "
             f"files {row['live_files']} ({row['live_shards']} shards, {row['ledger_files']} ledger) | RSS MiB "
             f"writer {row['writer_rss_mb']}, sampler {row['sampler_rss_mb']}, compactor {row['compactor_rss_mb']}")
@@ -681,6 +696,7 @@ def summarize_synthetic(rows, inv, w, tr, comp, seconds, csv_path) -> dict:
     out = {
         "aggregate_ms_first": first["aggregate_ms"], "aggregate_ms_last": last["aggregate_ms"],
         "stats_ms_first": first["stats_ms"], "stats_ms_last": last["stats_ms"],
+        "count_ms_first": first.get("count_ms"), "count_ms_last": last.get("count_ms"),
         "pull_p50_ms_first": first["pull_p50_ms"], "pull_p50_ms_last": last["pull_p50_ms"],
         "pull_p99_ms_first": first["pull_p99_ms"], "pull_p99_ms_last": last["pull_p99_ms"],
         "pull_p99_all_ms_first": first["pull_p99_all_ms"], "pull_p99_all_ms_last": last["pull_p99_all_ms"],
