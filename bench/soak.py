@@ -513,12 +513,17 @@ def live_files(run: Path) -> dict:
     return out
 
 
-def unmerged_files(run: Path) -> int:
-    """Live files of every kind not merged yet, as their writers left them (a second listing, so it may
-    differ from live_files' by the files written or merged in between)."""
-    from workers.compactor import unmerged_files as unmerged
+def live_and_unmerged(run: Path) -> tuple[int, int]:
+    """All live files of a run, and those of them not merged yet (as their writers left them), from one
+    listing of each kind's manifest, so the two counts agree."""
+    from workers.compactor import run_file_sets
 
-    return sum(unmerged(run).values())
+    live = unmerged = 0
+    for fs in run_file_sets(run).values():
+        names = fs.live_names()
+        live += len(names)
+        unmerged += sum(not fs.is_compacted(n) for n in names)
+    return live, unmerged
 
 
 def invariants(run: Path) -> dict:
@@ -811,9 +816,10 @@ def real(base: Path, args, state: dict) -> dict:
         while time.time() < t0 + 60 * m:
             sup.check()
             if time.time() >= next_look:
-                seen.append(live_files(run)["live_files"])
-                unmerged.append(unmerged_files(run))
-                merged.append(seen[-1] - unmerged[-1])
+                live, fresh = live_and_unmerged(run)
+                seen.append(live)
+                unmerged.append(fresh)
+                merged.append(live - fresh)
                 next_look += LIVE_EVERY_S
             time.sleep(min(1.0, max(0.0, t0 + 60 * m - time.time())))
         pids = _children_of(sup.pid)
