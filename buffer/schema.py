@@ -52,9 +52,14 @@ _ROLLOUT_COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
 ROLLOUT_SCHEMA = pa.schema([pa.field(n, t, nullable=nl) for n, t, nl, _ in _ROLLOUT_COLUMNS])
 ROLLOUT_COLUMN_DOCS: dict[str, str] = {n: d for n, _, _, d in _ROLLOUT_COLUMNS}
 STRING_COLUMNS = [n for n, t, _, _ in _ROLLOUT_COLUMNS if t == pa.string()]
-# String columns whose values repeat (per group, writer or run): dictionary-encoded.
-# traj_id and completion are unique per row, where a dictionary is pure cost.
-DICTIONARY_COLUMNS = [n for n in STRING_COLUMNS if n not in ("traj_id", "completion")]
+# Scalar columns whose values repeat (per group, writer, version or run, or a few reward levels):
+# dictionary-encoded. traj_id and completion are unique per row and created_at per group, where a
+# dictionary is pure cost. On the numeric ones a scan decodes small dictionary indices instead of
+# inflating 8 bytes a row: over the synthetic soak's 10.7M rows (8 c-files, 2 cores) the aggregate
+# `SELECT version, avg(reward) ... GROUP BY version` took 191 ms against 235 ms with dictionaries
+# on the strings only (median of 9, one file set after the other), and the files were 5% smaller.
+DICTIONARY_COLUMNS = [n for n, t, _, _ in _ROLLOUT_COLUMNS
+                      if not pa.types.is_nested(t) and n not in ("traj_id", "completion", "created_at")]
 
 # Columns the group index reads from every new shard: small scalars only.
 INDEX_COLUMNS = ["group_id", "group_size", "version", "filtered", "filter_reason", "created_at",
@@ -83,10 +88,10 @@ def staleness(trainer_version, group_version):
 def parquet_write_options() -> dict:
     """Settings for every Parquet file the buffer writes.
 
-    zstd; dictionary encoding only on string columns whose values repeat (on
-    the token and log-prob lists it is the main cost of writing and saves
-    nothing, on unique strings it is pure cost); statistics on scalar columns
-    only.
+    zstd; dictionary encoding on the scalar columns whose values repeat
+    (DICTIONARY_COLUMNS: not on the token and log-prob lists, where it is the
+    main cost of writing and saves nothing, nor on unique values, where it is
+    pure cost); statistics on scalar columns only.
     """
     scalar = [n for n, t, _, _ in _ROLLOUT_COLUMNS if not pa.types.is_nested(t)]
     return dict(compression="zstd", use_dictionary=DICTIONARY_COLUMNS, write_statistics=scalar,

@@ -111,7 +111,9 @@ def test_parquet_settings(buf):
         assert not dict_enc & set(cols[name].encodings), name
         assert not cols[name].is_stats_set, name
     assert not dict_enc & (set(cols["traj_id"].encodings) | set(cols["completion"].encodings))  # unique values
-    assert all(dict_enc & set(cols[name].encodings) for name in ("prompt", "group_id", "finish_reason"))
+    assert not dict_enc & set(cols["created_at"].encodings)   # one value per group
+    for name in ("prompt", "group_id", "finish_reason", "version", "reward", "sample_index", "advantage"):
+        assert dict_enc & set(cols[name].encodings), name   # repeating values, numeric ones included
     assert cols["version"].is_stats_set and cols["version"].statistics.max == 0
     assert meta.metadata[b"asyncgrpo.groups"] == b"1"
 
