@@ -17,9 +17,17 @@ Bounded memory (`retire=True`, what the daemons use): filtered groups and
 groups consumed `reuse` times can never be pulled again, so their rows are
 dropped from the arrays and only counted (per version and state, and per
 filter reason). A group id is '<writer id>-<sequence>', and a writer's shards
-become visible in sequence, so after a refresh that read every file it listed
-the index has seen each writer's groups up to the highest sequence it read (a
-watermark per writer, bounded by the number of writers). Only groups under
+become visible in sequence, so after a refresh that read every file it listed,
+and whose listing held each writer's new sequences without a gap, the index has
+seen each writer's groups up to the highest sequence it read (a watermark per
+writer, bounded by the number of writers). A directory listing is no snapshot:
+one that runs while two shards of a writer are renamed into place can return
+the later and miss the earlier, which a watermark past both would then count as
+seen and never index (the synthetic soak lost a 32-group shard so, once in
+100,000 steps). A refresh whose new sequences skip some lists again: the missed
+shard was in place before the first listing ended, so the next one sees it (or
+the c-file it went into); a gap that two listings in a row show is a real hole
+(a quarantined shard) and no longer holds the watermark back. Only groups under
 their writer's watermark are dropped, and a group under it that turns up in a
 c-file without being held was dropped, not new, however many merges it went
 through. The index then holds the groups that may still be pulled, whatever
@@ -134,6 +142,7 @@ class GroupIndex:
     """Groups, their location and consumption; refreshed incrementally from the files."""
 
     DROP_AT = 4096   # retire=True: drop retired rows once at least this many (and half the rows) are retired
+    RELISTS = 4      # listings more a refresh takes while its writers' sequences show new gaps (module doc)
 
     def __init__(self, root: str | os.PathLike, *, as_of_step: int | None = None, quarantine: bool = True,
                  retire: bool = False, reuse: int = 1):
@@ -167,6 +176,7 @@ class GroupIndex:
         self._upto = np.full(0, -1, np.int64)  # writer number -> highest sequence read in a complete refresh
         self._pass_upto: dict[int, int] = {}   # this refresh's highest sequences, kept if it read every file
         self._pass_complete = True
+        self._pass_seqs: list[tuple[np.ndarray, np.ndarray]] = []   # (writers, sequences) this refresh read
         self._pass_dropped: list[np.ndarray] = []   # keys (see _keys) of the groups this refresh dropped on arrival
         self._limbo = np.zeros(0, np.int64)   # sorted keys dropped by refreshes that missed a file, not yet covered
         self.unreadable: dict[str, str] = {}  # shards skipped (quarantine=False): name -> reason
@@ -181,11 +191,19 @@ class GroupIndex:
     def refresh(self) -> None:
         """Index shards and ledger records that appeared; follow files that went away."""
         self._refreshes += 1
-        self._pass_upto, self._pass_complete, self._pass_dropped = {}, True, []
-        live_names = self.dir.live_shard_names()
-        for name in live_names:
-            if name not in self._file_of and name not in self.unreadable:
-                self._index_shard(self.dir.shards / name)
+        self._pass_upto, self._pass_complete, self._pass_dropped, self._pass_seqs = {}, True, [], []
+        live_names = self._index_listing()
+        gaps: dict[int, int] = {}
+        relists = 0
+        while self._pass_complete:
+            found = self._gaps()
+            if found.items() <= gaps.items():   # none, or only what the last listing showed too: holes
+                break
+            if relists == self.RELISTS:        # still racing the writers: no watermark from this refresh
+                self._pass_complete = False
+                break
+            gaps, relists = found, relists + 1  # a listing that raced a writer's renames (module doc)
+            live_names = self._index_listing()
         if self._pass_complete:   # every listed file read: each writer's groups up to its maximum are seen
             for w, top in self._pass_upto.items():
                 if w >= len(self._upto):
@@ -213,6 +231,41 @@ class GroupIndex:
             old = self._refreshes - 3   # a record that raced its shard's listing is matched by now
             for gid in [g for g, (_, r) in self._early_uses.items() if r < old]:
                 del self._early_uses[gid]
+
+    def _index_listing(self) -> list[str]:
+        """List the live shards and index those not indexed yet; the names listed."""
+        live_names = self.dir.live_shard_names()
+        for name in live_names:
+            if name not in self._file_of and name not in self.unreadable:
+                self._index_shard(self.dir.shards / name)
+        return live_names
+
+    def _gaps(self) -> dict[int, int]:
+        """Writer number -> first missing sequence, for each writer whose sequences this refresh read
+        above its watermark do not run on from it without a gap."""
+        if not self._pass_seqs:
+            return {}
+        w = np.concatenate([a for a, _ in self._pass_seqs])
+        q = np.concatenate([b for _, b in self._pass_seqs])
+        upto = self._upto
+        below = np.full(len(w), -1, np.int64)
+        known = w < len(upto)
+        below[known] = upto[w[known]]
+        above = q > below
+        w, q, below = w[above], q[above], below[above]
+        if not len(w):
+            return {}
+        order = np.lexsort((q, w))
+        w, q, below = w[order], q[order], below[order]
+        first = np.ones(len(w), np.bool_)
+        first[1:] = (w[1:] != w[:-1]) | (q[1:] != q[:-1])   # a group read twice counts once
+        w, q, below = w[first], q[first], below[first]
+        pos = np.arange(len(w))
+        start = np.maximum.accumulate(np.where(np.r_[True, w[1:] != w[:-1]], pos, 0))
+        expected = below + (pos - start) + 1   # the sequence each row would have without a gap
+        bad = q != expected
+        writers, at = np.unique(w[bad], return_index=True)   # rows are sorted: each writer's first gap
+        return dict(zip(writers.tolist(), expected[bad][at].tolist()))
 
     def last_tops(self) -> dict[int, int]:
         """Writer number -> highest sequence among the groups the last refresh read (new shards and c-files)."""
@@ -444,6 +497,7 @@ class GroupIndex:
         # after one pass, 3,094 of them held), and Python loops over them cost 0.2 s a refresh.
         w, q = writer_seqs(enc.dictionary)
         ours = w >= 0
+        self._pass_seqs.append((w[ours], q[ours]))
         for wn, qn in zip(*_max_per_writer(w[ours], q[ours])):
             if qn > self._pass_upto.get(wn, -1):
                 self._pass_upto[wn] = qn
