@@ -65,7 +65,9 @@ measures, while everything runs:
                  readers list them through each kind's manifest (`workers.compactor.live_files`)
   writer_rss_mb, sampler_rss_mb, compactor_rss_mb
                  VmRSS of each process, from /proc/<pid>/status (and in the CSV, the sampler's
-                 cache and Arrow's allocated bytes: sampler_cache_mb, sampler_arrow_mb)
+                 cache and Arrow's allocated bytes: sampler_cache_mb, sampler_arrow_mb, and
+                 index_relists, how many times the sampler's index listed the shards again
+                 because a listing had raced the writer: buffer/index.py)
 
 At the end the processes are stopped (SIGTERM; the writer flushes) and SQL
 checks that no group was consumed twice and that nothing was lost (every
@@ -280,7 +282,7 @@ def trainer_main(args) -> None:
                         "pull_max_ms": float(ms.max()), "pull_mean_ms": float(ms.mean()),
                         "none_pulls": none_pulls, "none_pull_s": none_s,
                         "window_s": time.perf_counter() - t_window, "trainer_rss_mb": own_rss_mib(),
-                        "index_groups": len(sampler.index), "cached_mb": sampler.cached_bytes / 2**20,
+                        "index_groups": len(sampler.index), "index_relists": sampler.index.relists, "cached_mb": sampler.cached_bytes / 2**20,
                         "arrow_mb": pa.total_allocated_bytes() / 2**20, "time": time.time()})
                     window, busy, none_pulls, none_s = [], [], 0, 0.0
                     t_window = time.perf_counter()
@@ -651,6 +653,7 @@ def synthetic(base: Path, args, state: dict) -> dict:
                "none_pull_s": rnd(d["none_pull_s"], 2), "status_s": rnd(st), "status_cli_s": rnd(st_cli),
                **files, **{key: rnd(v, 1) for key, v in rss.items()},
                "writer_blocked_s": rnd(w.get("blocked_s"), 1), "index_groups": d["index_groups"],
+               "index_relists": d.get("index_relists"),
                "sampler_cache_mb": rnd(d["cached_mb"], 1), "sampler_arrow_mb": rnd(d.get("arrow_mb"), 1),
                "measure_errors": len(errors)}
         rows.append(row)

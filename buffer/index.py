@@ -177,6 +177,7 @@ class GroupIndex:
         self._pass_upto: dict[int, int] = {}   # this refresh's highest sequences, kept if it read every file
         self._pass_complete = True
         self._pass_seqs: list[tuple[np.ndarray, np.ndarray]] = []   # (writers, sequences) this refresh read
+        self.relists = 0                      # listings taken again because one skipped a writer's sequence
         self._pass_dropped: list[np.ndarray] = []   # keys (see _keys) of the groups this refresh dropped on arrival
         self._limbo = np.zeros(0, np.int64)   # sorted keys dropped by refreshes that missed a file, not yet covered
         self.unreadable: dict[str, str] = {}  # shards skipped (quarantine=False): name -> reason
@@ -203,6 +204,7 @@ class GroupIndex:
                 self._pass_complete = False
                 break
             gaps, relists = found, relists + 1  # a listing that raced a writer's renames (module doc)
+            self.relists += 1
             live_names = self._index_listing()
         if self._pass_complete:   # every listed file read: each writer's groups up to its maximum are seen
             for w, top in self._pass_upto.items():

@@ -54,6 +54,7 @@ def test_a_shard_missed_by_a_listing_is_indexed_by_the_next(buf):
     calls = _racing_listing(idx, {missed})
     idx.refresh()
     assert missed not in calls[0] and missed in calls[1] and len(calls) == 2   # one more listing
+    assert idx.relists == 1
     assert sorted(idx.group_ids) == sorted(first + later)
     assert (idx.states(0, 0) == ELIGIBLE).all()
     assert [_mark(idx, 0), _mark(idx, 1)] == [1, 3]
