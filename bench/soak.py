@@ -282,7 +282,8 @@ def trainer_main(args) -> None:
                         "pull_max_ms": float(ms.max()), "pull_mean_ms": float(ms.mean()),
                         "none_pulls": none_pulls, "none_pull_s": none_s,
                         "window_s": time.perf_counter() - t_window, "trainer_rss_mb": own_rss_mib(),
-                        "index_groups": len(sampler.index), "index_relists": sampler.index.relists, "cached_mb": sampler.cached_bytes / 2**20,
+                        "index_groups": len(sampler.index), "index_relists": sampler.index.relists,
+                        "cached_mb": sampler.cached_bytes / 2**20,
                         "arrow_mb": pa.total_allocated_bytes() / 2**20, "time": time.time()})
                     window, busy, none_pulls, none_s = [], [], 0, 0.0
                     t_window = time.perf_counter()

@@ -60,7 +60,7 @@ def test_a_shard_missed_by_a_listing_is_indexed_by_the_next(buf):
     assert [_mark(idx, 0), _mark(idx, 1)] == [1, 3]
 
 
-def test_same_writer_race_and_the_pull_takes_the_oldest(buf):
+def test_a_pull_after_a_racing_listing_takes_every_group(buf):
     """A new writer's shards 0 and 1 land while the listing runs, which sees only shard 1. Before
     the fix the watermark went to its group 3, and shard 0's groups (0, 1) were never pulled."""
     ids = _write(buf, 0, 4)                      # shards 0, 1 of writer w000000
