@@ -519,13 +519,14 @@ def live_files(run: Path) -> dict:
 def live_and_unmerged(run: Path) -> tuple[int, int]:
     """All live files of a run, and those of them not merged yet (as their writers left them), from one
     listing of each kind's manifest, so the two counts agree."""
+    from buffer import unmerged_count
     from workers.compactor import run_file_sets
 
     live = unmerged = 0
     for fs in run_file_sets(run).values():
         names = fs.live_names()
         live += len(names)
-        unmerged += sum(not fs.is_compacted(n) for n in names)
+        unmerged += unmerged_count(fs, names)
     return live, unmerged
 
 

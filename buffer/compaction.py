@@ -243,9 +243,10 @@ def early_merges(fs: FileSet, listed: list[tuple[Path, os.stat_result]], now: fl
     return {name for t, name in unmerged[:len(unmerged) - max_unmerged // 2] if now - t < min_age_s}
 
 
-def unmerged_count(fs: FileSet) -> int:
-    """Live files of the set not yet merged (as their writers left them); a listing, no file read."""
-    return sum(not fs.is_compacted(n) for n in fs.live_names())
+def unmerged_count(fs: FileSet, names: list[str] | None = None) -> int:
+    """Live files of the set not yet merged (as their writers left them); a listing, no file read.
+    `names`: the set's live names from a listing already taken (then none is taken here)."""
+    return sum(not fs.is_compacted(n) for n in (fs.live_names() if names is None else names))
 
 
 def _batches(candidates: list[tuple[Path, int]], target: int) -> list[list[Path]]:

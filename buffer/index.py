@@ -247,8 +247,10 @@ class GroupIndex:
         above its watermark do not run on from it without a gap."""
         if not self._pass_seqs:
             return {}
-        w = np.concatenate([a for a, _ in self._pass_seqs])
-        q = np.concatenate([b for _, b in self._pass_seqs])
+        keys, ok = _keys(np.concatenate([a for a, _ in self._pass_seqs]),
+                         np.concatenate([b for _, b in self._pass_seqs]))
+        keys = np.unique(keys[ok])   # by writer, then sequence; a group read twice counts once
+        w, q = keys >> _SEQ_BITS, keys & _SEQ_MASK
         upto = self._upto
         below = np.full(len(w), -1, np.int64)
         known = w < len(upto)
@@ -257,11 +259,6 @@ class GroupIndex:
         w, q, below = w[above], q[above], below[above]
         if not len(w):
             return {}
-        order = np.lexsort((q, w))
-        w, q, below = w[order], q[order], below[order]
-        first = np.ones(len(w), np.bool_)
-        first[1:] = (w[1:] != w[:-1]) | (q[1:] != q[:-1])   # a group read twice counts once
-        w, q, below = w[first], q[first], below[first]
         pos = np.arange(len(w))
         start = np.maximum.accumulate(np.where(np.r_[True, w[1:] != w[:-1]], pos, 0))
         expected = below + (pos - start) + 1   # the sequence each row would have without a gap

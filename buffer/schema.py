@@ -51,7 +51,6 @@ _ROLLOUT_COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
 
 ROLLOUT_SCHEMA = pa.schema([pa.field(n, t, nullable=nl) for n, t, nl, _ in _ROLLOUT_COLUMNS])
 ROLLOUT_COLUMN_DOCS: dict[str, str] = {n: d for n, _, _, d in _ROLLOUT_COLUMNS}
-STRING_COLUMNS = [n for n, t, _, _ in _ROLLOUT_COLUMNS if t == pa.string()]
 # Scalar columns whose values repeat (per group, writer, version or run, or a few reward levels):
 # dictionary-encoded. traj_id and completion are unique per row and created_at per group, where a
 # dictionary is pure cost. On the numeric ones a scan decodes small dictionary indices instead of
