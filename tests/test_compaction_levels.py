@@ -73,6 +73,35 @@ def test_level_merged_files_have_large_row_groups_and_a_base_merge_keeps_small_o
     assert [int(c["completions"].sum()) for c in cells] == [320, 320]
 
 
+def _row_group_rows(buf) -> list[list[int]]:
+    """Rows of each row group of each live shard, in name order."""
+    metas = [pq.read_metadata(p) for p in sorted(BufferDir(buf).live_shards())]
+    return [[m.row_group(i).num_rows for i in range(m.num_row_groups)] for m in metas]
+
+
+def test_level_row_groups_grow_with_the_merge_up_to_a_byte_cap(buf, monkeypatch):
+    """A level merge's row groups hold at least 1/LEVEL_ROW_GROUPS of its groups (so a level file's
+    footer stops growing with the run), cut early at LEVEL_ROW_GROUP_MAX_BYTES; whole groups each."""
+    import buffer.compaction as compaction
+
+    monkeypatch.setattr(compaction, "C_ROW_GROUP_GROUPS", 1)       # base merges keep the shards' row groups
+    monkeypatch.setattr(compaction, "LEVEL_ROW_GROUP_BYTES", 0)
+    monkeypatch.setattr(compaction, "LEVEL_ROW_GROUPS", 2)
+    _fill(buf, 160, flush_groups=10)                                # 16 shards of one row group of 10 groups
+    compact(buf, **LEVELS)
+    assert _row_group_rows(buf) == [[40, 40]] * 8                    # base: 20 groups of 4 rows, as written
+    compact(buf, **LEVELS)
+    assert _row_group_rows(buf) == [[80, 80]] * 4                    # 40 groups: row groups of >= 20 groups
+    compact(buf, **LEVELS)
+    assert _row_group_rows(buf) == [[160, 160]] * 2                  # 80 groups: >= 40 groups
+    monkeypatch.setattr(compaction, "LEVEL_ROW_GROUP_MAX_BYTES", 1)  # the cap: cut after every source row group
+    _fill(buf, 160, flush_groups=10)                                # 160 more: 8 c-files of 20, then 4 of 40
+    for _ in range(2):
+        compact(buf, **LEVELS)
+    assert sorted(_row_group_rows(buf)) == [[40] * 4] * 4 + [[160, 160]] * 2
+    assert BufferSQL(buf).query("SELECT count(DISTINCT group_id) AS g FROM rollouts").to_pylist() == [{"g": 320}]
+
+
 def test_no_level_merges_without_fanout(buf):
     _fill(buf, 160, flush_groups=10)
     for _ in range(3):
@@ -147,10 +176,10 @@ def test_base_merges_go_live_before_the_level_merges_are_written(buf, monkeypatc
     seen = []
     merge = compaction._merge_shards
 
-    def spy(d, batch, out_name, *, rg_bytes=0):
-        if rg_bytes:                                           # a level merge: what is live while it is written
+    def spy(d, batch, out_name, **rg):
+        if rg:                                                 # a level merge: what is live while it is written
             seen.append(set(BufferDir(buf).live_shard_names()))
-        return merge(d, batch, out_name, rg_bytes=rg_bytes)
+        return merge(d, batch, out_name, **rg)
 
     monkeypatch.setattr(compaction, "_merge_shards", spy)
     compact(buf, **LEVELS)
