@@ -17,8 +17,10 @@ speed by three subprocesses through the project's public entry points:
   non-filtered groups admitted at trainer version t, max_staleness = 2), so it
   runs ahead of the trainer by a bounded amount; before waiting it flushes,
   as the generator does (the trainer may be waiting for those groups). It
-  stops after `--groups` non-filtered groups (the filtered ones come on top,
-  about a third more), then idles until SIGTERM.
+  writes at least `--groups` non-filtered groups (the filtered ones come on
+  top, about a third more) and goes on until the coordinator has measured
+  the last tenth (so that it is measured under the same load as the first),
+  then stops at a whole step's worth and idles until SIGTERM.
 - TRAINER (`bench/soak.py --role trainer`): one `buffer.Sampler` pulling
   groups_per_step = groups / steps groups a step (10 by default) with
   trainer_step = steps done + 1, trainer_version = steps done, max_staleness
@@ -28,7 +30,10 @@ speed by three subprocesses through the project's public entry points:
   os.replace'd over the last one: atomic like a temp file + rename, and
   cheaper on ext4, which flushes a renamed file's data). It times every
   successful pull (perf_counter around `Sampler.pull`) and at every tenth of
-  `--steps` writes that window's pull percentiles to a small JSON file.
+  `--steps` writes that window's pull percentiles to a small JSON file. Past
+  `--steps` it goes on stepping until the writer has stopped and every
+  trainable group it wrote is consumed (`steps` in the JSON counts these
+  steps too: a few hundred, the time the last tenth's measurements take).
 - COMPACTOR: the real daemon, `python -m pipeline compactor --run <run> --set
   compactor.every_s=5 --set compactor.min_age_s=2 --set compactor.grace_s=10
   --set compactor.nice=0` (the writer and the sampler here run flat out, as no
@@ -252,8 +257,15 @@ def trainer_main(args) -> None:
     t_window = time.perf_counter()
     last_beat = 0.0
     publish(0)
+    writer_final = None   # the writer's last count of trainable groups, once it has stopped
     try:
-        while done < args.steps and not Stop.flag:
+        while not Stop.flag:
+            if done >= args.steps:   # past the last tenth: go on (the coordinator is measuring under load)
+                if writer_final is None:   # until the writer stops, then take what it wrote
+                    w = read_json(ctl / "writer.json") or {}
+                    writer_final = w.get("trainable") if w.get("done") else None
+                if writer_final is not None and done * gps >= writer_final:
+                    break
             during = measuring.exists()
             t0 = time.perf_counter()
             batch = sampler.pull(gps, trainer_version=done, trainer_step=done + 1, max_staleness=MAX_STALENESS)
@@ -294,7 +306,8 @@ def trainer_main(args) -> None:
                                                   "pid": os.getpid(), "time": now})
                 last_beat = now
         write_json(ctl / "trainer.json", {"steps": done, "groups_pulled": pulled, "max_staleness": max_stale,
-                                          "pid": os.getpid(), "time": time.time(), "finished": done >= args.steps})
+                                          "pid": os.getpid(), "time": time.time(),
+                                          "finished": done >= args.steps and writer_final is not None})
         while not Stop.flag:   # stay up (index in memory) until the coordinator has measured and stops us
             time.sleep(0.05)
     finally:
@@ -332,8 +345,11 @@ def writer_main(args) -> None:
                                          "blocked_s": blocked_s, "blocks": blocks, "pid": os.getpid(),
                                          "time": time.time(), "done": done})
 
+    finish = ctl / "finish"   # the coordinator's word that the last tenth is measured
     try:
-        while admitted < target and not Stop.flag:
+        while not Stop.flag:
+            if admitted >= target and admitted % gps == 0 and finish.exists():
+                break   # whole steps only: the trainer takes every trainable group written
             t = version()   # the newest trainer version, read for every group (a few microseconds)
             if admitted >= admission_limit(t, MAX_STALENESS, gps):
                 t0 = time.perf_counter()
@@ -356,7 +372,7 @@ def writer_main(args) -> None:
                 beat()
                 last_beat = now
         writer.flush()
-        beat(done=admitted >= target)
+        beat(done=admitted >= target and not Stop.flag)
         while not Stop.flag:   # stay up until the coordinator has measured and stops us
             time.sleep(0.05)
     finally:
@@ -665,10 +681,14 @@ def synthetic(base: Path, args, state: dict) -> dict:
             f"{row['pull_p99_ms']:.1f} ms, status {row['status_s']} s (CLI {row['status_cli_s']} s) | "
             f"files {row['live_files']} ({row['live_shards']} shards, {row['ledger_files']} ledger) | RSS MiB "
             f"writer {row['writer_rss_mb']}, sampler {row['sampler_rss_mb']}, compactor {row['compactor_rss_mb']}")
-    # Both roles idle once done; wait for the writer's final flush to be reported, then stop everyone.
-    deadline = time.time() + 60
-    while not (read_json(ctl / "writer.json") or {}).get("done") and time.time() < deadline:
+    # The writer and trainer went on past the last tenth, so that it was measured under the same load
+    # as the others; now the writer stops at a whole step, the trainer takes what it wrote, and both
+    # idle until stopped.
+    (ctl / "finish").touch()
+    deadline = time.time() + 120
+    while not (read_json(ctl / "trainer.json") or {}).get("finished") and time.time() < deadline:
         writer.check()
+        trainer.check()
         time.sleep(0.1)
     codes = stop_all([writer, trainer, compactor])
     for c in (writer, trainer, compactor):
@@ -684,7 +704,8 @@ def synthetic(base: Path, args, state: dict) -> dict:
     inv = invariants(run)
     inv["rollouts_match_writer"] = inv["rollout_groups"] == w.get("groups") and \
         inv["rollout_rows"] == GROUP_SIZE * (w.get("groups") or 0)
-    inv["consumed_all_steps"] = inv["consumed_rows"] == gps * args.steps and tr.get("steps") == args.steps
+    inv["consumed_all_steps"] = (tr.get("steps", 0) >= args.steps and inv["consumed_rows"] == gps * tr.get("steps", 0)
+                                 and gps * tr.get("steps", 0) == w.get("trainable"))
     write_csv(args.out / "soak-synthetic.csv", rows)
     out = summarize_synthetic(rows, inv, w, tr, comp_totals, seconds, args.out / "soak-synthetic.csv")
     out["measure_errors"], out["first_measure_errors"] = len(errors), errors[:3]
