@@ -690,6 +690,8 @@ def synthetic(base: Path, args, state: dict) -> dict:
         writer.check()
         trainer.check()
         time.sleep(0.1)
+    if not (read_json(ctl / "trainer.json") or {}).get("finished"):
+        log("the trainer did not take the writer's last groups within 120 s (see all_steps_consumed)")
     codes = stop_all([writer, trainer, compactor])
     for c in (writer, trainer, compactor):
         children.remove(c)
