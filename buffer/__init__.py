@@ -11,7 +11,8 @@ does not load pyarrow and DuckDB.
 from importlib import import_module
 
 _WHERE = {
-    **dict.fromkeys(["CompactionReport", "compact", "compact_ledger", "compact_small", "unmerged_count"],
+    **dict.fromkeys(["CompactionReport", "compact", "compact_ledger", "compact_small", "merge_levels",
+                     "unmerged_count"],
                     "buffer.compaction"),
     **dict.fromkeys(["Completion", "Group", "STD_MODES", "StdMode", "filter_reason", "group_reward_stats"],
                     "buffer.groups"),

@@ -13,10 +13,10 @@ buffer/fileset.py for the manifest protocol that keeps readers exact):
 Each pass, under the set's lock:
 
 1. picks live files older than `min_age_s` (sealed) and smaller than the target,
-   oldest first; with `max_unmerged` set and more files not yet merged than
-   that (as their writers left them: the count grows with the writers'
-   output, not with the run's length), also the younger ones, all but the
-   newest `max_unmerged // 2`; for rollout shards with `fanout` set, c-files of at least
+   oldest first; with `max_unmerged` set and more than half that many files
+   not yet merged (as their writers left them: the count grows with the
+   writers' output, not with the run's length), also the younger ones, all
+   but the newest `max_unmerged // 2`; for rollout shards with `fanout` set, c-files of at least
    half the target go to levels instead: `fanout` c-files of level k (t *
    fanout^(k-1) <= groups < t * fanout^k, t = target / 2, k >= 1, oldest
    first) become one of the next level, up to `max_groups` groups and
@@ -30,6 +30,12 @@ Each pass, under the set's lock:
 3. replaces the manifest: the c-files become live and their sources replaced,
    in one atomic rename (rollout shards: once for the base merges, then once
    for the level merges);
+   with `defer_levels`, compact() only plans the level merges (report.levels)
+   and merge_levels() writes them without the lock, taking it per file only to
+   check that the sources are still live, rename the c-file into place and swap
+   it in: a level merge takes seconds to minutes (it re-encodes up to
+   `max_bytes`), and base merges, the ledger's and a starting generator's
+   writer id no longer wait for it (the compactor daemon runs it on a thread);
 4. deletes files replaced more than `grace_s` ago, then drops them from the
    manifest. A reader that listed a file before step 3 can still read it for
    `grace_s` seconds.
@@ -41,11 +47,12 @@ in the manifest, which step 4 drops on the next pass).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -92,15 +99,20 @@ class CompactionReport:
     deleted_files: int = 0
     groups: int = 0        # rollout groups (compact) or rows (the other sets) in the written files
     quarantined: int = 0
+    # compact(defer_levels=True): the level merges it planned and left to merge_levels, each a list of
+    # (source c-file, its groups), oldest first
+    levels: list[list[tuple[Path, int]]] = field(default_factory=list)
+    abandoned: int = 0     # merge_levels: merges dropped because a source left meanwhile (or on stop)
 
 
 def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: float = 60.0,
             grace_s: float = 300.0, min_files: int = 2, fanout: int | None = None,
             max_groups: int | None = None, max_bytes: int | None = LEVEL_MAX_BYTES,
-            max_unmerged: int | None = None) -> CompactionReport:
+            max_unmerged: int | None = None, defer_levels: bool = False) -> CompactionReport:
     """Merge sealed small rollout shards into c-files of about `target_groups` groups, and with
     `fanout`, c-files into levels of up to `max_groups` groups and `max_bytes` bytes (None: no limit);
-    with `max_unmerged`, young shards too when more than that many are unmerged; see module doc."""
+    with `max_unmerged`, young shards too when more than that many are unmerged; with `defer_levels`,
+    the level merges are only planned (report.levels, for merge_levels); see module doc."""
     d = BufferDir(root)
     fs = d.shard_set
     report = CompactionReport()
@@ -138,6 +150,9 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
         base = [b for b in _batches(candidates, target_groups) if len(b) >= min_files]
         levels = _levels(merged, max(target_groups // 2, 1), fanout, max_groups, max_bytes) if fanout else []
         level_groups = {p.name: n for p, n, _ in merged}
+        if defer_levels:
+            report.levels = [[(p, level_groups[p.name]) for p in batch] for batch in levels]
+            levels = []
         # Two swaps: the young shards' merges go live before the (longer) level merges are written, so
         # the live file count does not wait on them.
         for batches, level in ((base, False), (levels, True)):
@@ -145,8 +160,7 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
             new, sources = [], []
             for i, batch in enumerate(batches):
                 out_name = f"c-{generation:06d}-{i:04d}.parquet"
-                rg = dict(rg_bytes=LEVEL_ROW_GROUP_BYTES, max_rg_bytes=LEVEL_ROW_GROUP_MAX_BYTES,
-                          rg_groups=-(-sum(level_groups[p.name] for p in batch) // LEVEL_ROW_GROUPS)) if level else {}
+                rg = _level_row_groups(sum(level_groups[p.name] for p in batch)) if level else {}
                 groups = _merge_shards(d, batch, out_name, **rg)
                 if groups is None:
                     continue
@@ -158,6 +172,50 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
             if new:
                 fs.swap(fs.read_manifest(), new, sources, now)
         report.deleted_files = fs.delete_expired(grace_s, now)
+    return report
+
+
+def _level_row_groups(groups: int) -> dict:
+    """_merge_shards' row-group settings for a level merge of `groups` groups."""
+    return dict(rg_bytes=LEVEL_ROW_GROUP_BYTES, max_rg_bytes=LEVEL_ROW_GROUP_MAX_BYTES,
+                rg_groups=-(-groups // LEVEL_ROW_GROUPS))
+
+
+def merge_levels(root: str | os.PathLike, batches: list[list[tuple[Path, int]]], *,
+                 stop: Callable[[], bool] | None = None) -> CompactionReport:
+    """Write the level merges compact(defer_levels=True) planned (its report.levels), each a c-file that
+    goes live in its own swap; the buffer's lock is held only for each file's check, rename and swap, not
+    while it is written, so base merges go on meanwhile (see module doc).
+
+    A merge whose sources are not all live by then (retention retired one, another process merged them)
+    is dropped before its c-file becomes visible, as is the one in progress when `stop()` turns true:
+    nothing is lost or counted twice. Names are c-<generation>-L<i>, the generation read at the start
+    (base merges' names end in digits, so the two never collide); a name already taken drops the merge.
+    """
+    d = BufferDir(root)
+    fs = d.shard_set
+    report = CompactionReport()
+    generation = fs.read_manifest().generation
+    for i, batch in enumerate(batches):
+        if stop is not None and stop():
+            break
+        names = [p.name for p, _ in batch]
+        out_name = f"c-{generation:06d}-L{i:03d}.parquet"
+        with contextlib.ExitStack() as held:
+            def publish() -> None:   # called with the c-file written and synced, before its rename
+                held.enter_context(d.lock)
+                manifest = fs.read_manifest()
+                if not set(names) <= set(manifest.compacted) or (d.shards / out_name).exists():
+                    raise _Abort
+            groups = _merge_shards(d, [p for p, _ in batch], out_name, publish=publish, stop=stop,
+                                   **_level_row_groups(sum(n for _, n in batch)))
+            if groups is None:
+                report.abandoned += 1
+                continue
+            fs.swap(fs.read_manifest(), [out_name], names, time.time())
+        report.merged_files += len(batch)
+        report.written_files += 1
+        report.groups += groups
     return report
 
 
@@ -246,10 +304,17 @@ def _stat_live(fs: FileSet) -> list[tuple[Path, os.stat_result]]:
 def early_merges(fs: FileSet, listed: list[tuple[Path, os.stat_result]], now: float, min_age_s: float,
                  max_unmerged: int | None) -> set[str]:
     """Names of the files younger than `min_age_s` that a pass merges anyway: when more than
-    `max_unmerged` of the live files `listed` are unmerged (not c-files), all of those but the newest
-    `max_unmerged // 2` are merged, whatever their age (the older ones are merged in any case)."""
+    `max_unmerged // 2` of the live files `listed` are unmerged (not c-files), all of those but the newest
+    `max_unmerged // 2` are merged, whatever their age (the older ones are merged in any case).
+
+    So every pass leaves at most max_unmerged // 2 unmerged files that it could merge, and the daemon's
+    next early pass (over max_unmerged, and max_unmerged // 2 more than the last pass left) comes at
+    about max_unmerged, whatever the writers' rate. Leaving the young files to their age instead, a
+    regular pass left the writers' output over min_age_s unmerged, and the early pass came at that plus
+    max_unmerged // 2: the live files' peaks followed the writers' rate (a 60-minute soak's rose
+    +0.67 files a minute over its last half hour, as the generator sped up)."""
     unmerged = sorted((st.st_mtime, p.name) for p, st in listed if not fs.is_compacted(p.name))
-    if max_unmerged is None or len(unmerged) <= max_unmerged:
+    if max_unmerged is None or len(unmerged) <= max_unmerged // 2:
         return set()
     return {name for t, name in unmerged[:len(unmerged) - max_unmerged // 2] if now - t < min_age_s}
 
@@ -305,8 +370,13 @@ def _group_count(meta: pq.FileMetaData) -> int:
 
 
 def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: int = 0, rg_groups: int = 0,
-                  max_rg_bytes: int | None = None) -> int | None:
+                  max_rg_bytes: int | None = None, publish: Callable[[], None] | None = None,
+                  stop: Callable[[], bool] | None = None) -> int | None:
     """Write the shards in `batch` as one file (temp + rename); its group count, or None.
+
+    `publish()` runs with the file written and synced, just before its rename (merge_levels takes the
+    lock there; raising _Abort drops the file); `stop()` is asked before each source row group (True:
+    the file is dropped).
 
     The sources' row groups (each holding whole groups) are concatenated into
     row groups of at least C_ROW_GROUP_GROUPS and `rg_groups` groups and `rg_bytes` bytes (Arrow), or
@@ -336,6 +406,10 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: i
             for p in batch:
                 rows = 0
                 for t in _row_groups(d, p, lambda: writer):   # one at a time: memory is a row group, not a file
+                    if stop is not None and stop():
+                        if writer is not None:
+                            writer.close()
+                        raise _Abort
                     # whole groups each: cutting between them keeps every group in one row group
                     rows += t.num_rows
                     n = pc.count_distinct(t.column("group_id")).as_py()
@@ -361,6 +435,10 @@ def _merge_shards(d: BufferDir, batch: list[Path], out_name: str, *, rg_bytes: i
                                            SOURCES_KEY.decode(): json.dumps(sources),
                                            SUMMARY_KEY.decode(): json.dumps(_summary(firsts, cells, sum(n for _, n in sources)))})
             writer.close()
+            if publish is not None:
+                f.flush()
+                os.fsync(f.fileno())   # before the lock: atomic_file's own fsync then finds nothing to write
+                publish()
     except _Abort:  # atomic_file removed the temp file; nothing became visible
         return None
     return groups

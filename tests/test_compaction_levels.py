@@ -11,9 +11,11 @@ their footers only.
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pyarrow.parquet as pq
-from buffer import BufferDir, BufferSQL, GroupIndex, Sampler, compact, compact_ledger
+from buffer import BufferDir, BufferSQL, GroupIndex, Sampler, compact, compact_ledger, merge_levels
 from buffer.fileset import LEDGER_SUMMARY, SHARD_SUMMARY, SUMMARY_KEY, pack_columns, read_summary, summary_columns
 from pipeline.status import buffer_status
 from test_compaction_sets import NOW, _consumed, _fill, _pull_steps
@@ -226,3 +228,126 @@ def test_a_merge_sums_its_summary_in_chunks_to_the_same_cells(buf, monkeypatch):
     assert len(whole["version"]) == 18 + 17                       # versions 0..17, each filtered and not
     assert int(whole["groups"].sum()) == 120 and int(whole["completions"].sum()) == 480
     assert float(whole["reward_sum"].sum()) == 40 * 4 + 80 * 2     # all-ones groups and [1, 0, 0, 1] ones
+
+
+def _young(buf, tag: str, n: int = 20) -> None:
+    """n new groups in shards of 10: a base merge's work."""
+    from buffer import ShardWriter
+    from conftest import make_group
+
+    with ShardWriter(buf, flush_groups=10, flush_seconds=None) as w:
+        for i in range(n):
+            w.append(make_group(0, [1, 0, 0, 1], prompt_id=f"{tag}{i}", seed=hash(tag) % 1000 + i, correct=[1, 0, 0, 1]))
+
+
+def _on_disk(buf) -> list[str]:
+    return sorted(n for n in os.listdir(BufferDir(buf).shards) if n.endswith(".parquet"))
+
+
+def test_deferred_level_merges_go_live_one_by_one_while_base_merges_and_pulls_run_beside_them(buf):
+    """compact(defer_levels=True) plans the level merges; merge_levels writes them without the buffer's
+    lock, so a base merge and a trainer's pulls go on while one is written, and each swaps in alone."""
+    ids = _fill(buf, 160, flush_groups=10)
+    compact(buf, **LEVELS)                                     # 8 c-files of 20: level material
+    _young(buf, "a")                                           # 2 young shards
+    r = compact(buf, defer_levels=True, **LEVELS)
+    assert [[n for _, n in batch] for batch in r.levels] == [[20, 20]] * 4
+    assert sorted(_live(buf).values()) == [20] * 9             # the young ones merged; no level merge yet
+    assert (r.merged_files, r.written_files) == (2, 1)
+    pulled, asked, live_seen = [], [], []
+    with Sampler(buf) as s:
+        def pull(step):
+            pulled.extend(s.pull(5, trainer_version=0, trainer_step=step, max_staleness=None).group_ids)
+
+        def beside() -> bool:                                  # asked before each merge and source row group
+            asked.append(1)
+            live_seen.append(sorted(_live(buf).values()))
+            if len(asked) == 2:                                # the first merge's temp file open
+                with BufferDir(buf).lock.acquire(timeout=5):   # not held while a level merge is written
+                    pass
+                _young(buf, "b")
+                assert compact(buf, defer_levels=True, **LEVELS).written_files == 1   # a base merge, meanwhile
+                pull(len(asked))
+            return False
+
+        m = merge_levels(buf, r.levels, stop=beside)
+        assert (m.merged_files, m.written_files, m.groups, m.abandoned) == (8, 4, 160, 0)
+        step = 100
+        while len(pulled) < 200:
+            pull(step)
+            step += 1
+    assert len(asked) == 4 + 8                                 # 4 merges of 2 sources of one row group each
+    # each level file went live in its own swap, before the next merge
+    assert [len(v) for v in live_seen] == [9, 9, 10, 9, 9, 9, 8, 8, 8, 7, 7, 7]
+    assert sorted(_live(buf).values()) == [20, 20] + [40] * 4
+    (gen,) = {n.split("-")[1] for n in _on_disk(buf) if "-L" in n}   # the generation when the merges began
+    assert [n for n in _on_disk(buf) if "-L" in n] == [f"c-{gen}-L{i:03d}.parquet" for i in range(4)]
+    assert set(ids) <= set(pulled)
+    assert len(pulled) == len(set(pulled)) == 200               # every group once: 160 + 20 + 20
+    sql = BufferSQL(buf).query("SELECT count(*) AS n, count(DISTINCT group_id) AS g FROM rollouts").to_pylist()
+    assert sql == [{"n": 200 * 4, "g": 200}]
+    assert GroupIndex(buf).counts(0, None)["consumed"] == 200
+
+
+def test_a_deferred_level_merge_whose_sources_left_meanwhile_is_dropped_before_it_is_visible(buf):
+    _fill(buf, 160, flush_groups=10)
+    compact(buf, **LEVELS)
+    planned = compact(buf, defer_levels=True, **LEVELS).levels
+    assert len(planned) == 4
+    asked = []
+
+    def other_pass() -> bool:
+        asked.append(1)
+        if len(asked) == 1:
+            compact(buf, **LEVELS)                             # another pass merges the same sources first
+        return False
+
+    m = merge_levels(buf, planned, stop=other_pass)
+    assert (m.merged_files, m.written_files, m.abandoned) == (0, 0, 4)
+    assert sorted(_live(buf).values()) == [40] * 4
+    assert not [n for n in _on_disk(buf) if "-L" in n]         # nothing of the dropped merges left
+    assert os.listdir(BufferDir(buf).tmp) == []
+    sql = BufferSQL(buf).query("SELECT count(*) AS n, count(DISTINCT group_id) AS g FROM rollouts").to_pylist()
+    assert sql == [{"n": 640, "g": 160}]
+
+
+def test_stopping_drops_the_level_merge_in_progress_and_a_later_call_does_them_all(buf):
+    _fill(buf, 160, flush_groups=10)
+    compact(buf, **LEVELS)
+    planned = compact(buf, defer_levels=True, **LEVELS).levels
+    asked = []
+    m = merge_levels(buf, planned, stop=lambda: asked.append(1) or len(asked) >= 5)   # in the 2nd merge
+    assert (m.merged_files, m.written_files, m.abandoned) == (2, 1, 1)
+    assert sorted(_live(buf).values()) == [20] * 6 + [40]
+    assert len(_on_disk(buf)) == 8 + 1 and os.listdir(BufferDir(buf).tmp) == []   # the replaced two stay: grace
+    m = merge_levels(buf, compact(buf, defer_levels=True, **LEVELS).levels)
+    assert (m.merged_files, m.written_files, m.abandoned) == (6, 3, 0)
+    assert sorted(_live(buf).values()) == [40] * 4
+    assert BufferSQL(buf).query("SELECT count(DISTINCT group_id) AS g FROM rollouts").to_pylist() == [{"g": 160}]
+
+
+def test_the_compactor_daemon_writes_level_merges_on_its_thread(tmp_path):
+    """run_compactor (local run): passes plan the levels, its LevelMerges thread writes them."""
+    import threading
+
+    from workers.compactor import CompactorConfig, run_compactor
+    from workers.stop import StopFlag
+
+    run_dir = tmp_path / "run"
+    ids = _fill(run_dir / "buffer", 160, flush_groups=10)
+    cfg = CompactorConfig(every_s=0.1, min_age_s=0.0, grace_s=0.0, target_groups=20, fanout=2, max_groups=80)
+    out = {}
+    with StopFlag() as stop:
+        t = threading.Thread(target=lambda: out.update(run_compactor(run_dir, cfg, stop)))
+        t.start()
+        deadline = time.time() + 60
+        while sorted(_live(run_dir / "buffer").values()) != [80, 80] and time.time() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        t.join(60)
+    assert not t.is_alive()
+    assert sorted(_live(run_dir / "buffer").values()) == [80, 80]
+    assert all("-L" in n for n in BufferDir(run_dir / "buffer").live_shard_names())
+    assert out["level_merges"] >= 2 and out["groups"] >= 160 + 160 + 160   # base, then two levels
+    got = BufferSQL(run_dir).query("SELECT count(*) AS n, count(DISTINCT group_id) AS g FROM rollouts").to_pylist()
+    assert got == [{"n": 640, "g": 160}] and len(ids) == 160

@@ -284,6 +284,32 @@ def test_kill_9_in_the_middle_of_a_compaction_loses_nothing(run_dir, kind, point
     assert os.listdir(run_dir / "buffer" / "tmp") == []
 
 
+@pytest.mark.parametrize("point", ["writing", "written"])
+def test_kill_9_in_the_middle_of_a_deferred_level_merge_loses_nothing(run_dir, point):
+    """The daemon's level merges (planned by a pass, written without the lock): killed with the temp
+    file open, or with the c-file renamed into place but not swapped in."""
+    files = _populate(run_dir)
+    levels = dict(target_groups=4, fanout=2, max_groups=None, **NOW)
+    compact(run_dir / "buffer", **levels)                       # 20 shards of 2 -> 10 c-files of 4
+    assert live_files(run_dir)["shards"] == 10 and _exact(run_dir) == EXACT
+    marker = run_dir.parent / "paused"
+    kill_9_at_pause([sys.executable, str(REPO / "tests" / "helpers" / "compact_pause.py"), str(run_dir), "levels",
+                     point, str(marker)], marker)
+    shards = run_dir / "buffer" / "shards"
+    left = [n for n in os.listdir(shards) if "-L" in n]
+    assert len(left) == (point == "written")                   # the orphan: on disk, never live
+    assert live_files(run_dir)["shards"] == 10 and _exact(run_dir) == EXACT
+    with Sampler(run_dir / "buffer") as s:
+        assert s.counts(0, None)["consumed"] == 20
+    for _ in range(4):                                          # the next passes finish the work: c-files of 4 groups,
+        compact(run_dir / "buffer", **levels)                   # 10 -> 5 of 8 -> 2 of 16 + 8 -> 32 + 8, then stays
+    assert live_files(run_dir)["shards"] == 2 and _exact(run_dir) == EXACT
+    assert [n for n in os.listdir(shards) if n.endswith(".parquet")] == BufferDir(run_dir / "buffer").live_shard_names()
+    BufferDir(run_dir / "buffer").clean_tmp()
+    assert os.listdir(run_dir / "buffer" / "tmp") == []
+    assert files["shards"] == 20
+
+
 def test_compactor_daemon_merges_every_kind_while_a_trainer_pulls_and_readers_query(run_dir):
     """The daemon (fast settings), a trainer process pulling and writing metrics, and a SQL reader, together."""
     _fill(run_dir / "buffer", 400, flush_groups=4)

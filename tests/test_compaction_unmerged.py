@@ -1,4 +1,5 @@
-"""Early merges: a set with more than `max_unmerged` unmerged files merges its young ones too.
+"""Early merges: a set with more than `max_unmerged // 2` unmerged files merges its young ones too,
+and the daemon starts a pass at once when one holds more than `max_unmerged`.
 
 Without them, the unmerged files a run holds number the writers' output over min_age_s +
 every_s, so the live file count grows with the output; with them it stays under about
@@ -55,7 +56,7 @@ def test_too_many_unmerged_shards_merge_young_all_but_the_newest_by_age(buf):
     d = BufferDir(buf)
     oldest_first = _age_reversed(d.shards, d.live_shard_names())
     assert len(oldest_first) == 20
-    for limit in (None, 20):     # not over the limit: young shards stay
+    for limit in (None, 40):     # not over half the limit: young shards stay
         r = compact(buf, max_unmerged=limit, **YOUNG)
         assert (r.merged_files, r.written_files) == (0, 0)
     r = compact(buf, max_unmerged=8, **YOUNG)
@@ -70,16 +71,35 @@ def test_too_many_unmerged_shards_merge_young_all_but_the_newest_by_age(buf):
     assert (r.merged_files, r.written_files) == (0, 0)
 
 
+def test_a_pass_leaves_at_most_half_the_limit_unmerged_so_the_next_early_pass_comes_at_the_limit(buf):
+    """Not only an early pass: any pass over max_unmerged // 2 merges young files down to that many, so
+    the trigger (over max_unmerged, and max_unmerged // 2 more than the pass left) does not move up with
+    the writers' rate."""
+    _fill(buf, 40, flush_groups=2)
+    d = BufferDir(buf)
+    oldest_first = _age_reversed(d.shards, d.live_shard_names())
+    r = compact(buf, max_unmerged=40, **YOUNG)                 # 20: not over 20
+    assert (r.merged_files, r.written_files) == (0, 0)
+    r = compact(buf, max_unmerged=36, **YOUNG)                 # 20 over 18: the oldest two go
+    assert (r.merged_files, r.written_files, r.groups) == (2, 1, 4)
+    assert sorted(n for n in d.live_shard_names() if not n.startswith("c-")) == sorted(oldest_first[2:])
+    assert unmerged_count(d.shard_set) == 18
+    r = compact(buf, max_unmerged=36, **YOUNG)
+    assert (r.merged_files, r.written_files) == (0, 0)
+    assert _rollouts(buf) == (160, 40)
+
+
 def test_old_files_merge_as_before_and_count_against_the_limit(buf):
     _fill(buf, 20, flush_groups=2)
     d = BufferDir(buf)
     oldest_first = _age_reversed(d.shards, d.live_shard_names())
     listed = [(p, p.stat()) for p in d.shard_set.live()]
     now = time.time()
-    # 10 unmerged, 900-990 s old: 5 older than 945 s. Over a limit of 8, all but the newest 4 go: one young
+    # 10 unmerged, 900-990 s old: 5 older than 945 s. Over half a limit of 8, all but the newest 4 go: one young
     assert early_merges(d.shard_set, listed, now, 945.0, 8) == set(oldest_first[5:6])
     assert early_merges(d.shard_set, listed, now, 945.0, 6) == set(oldest_first[5:7])
-    assert early_merges(d.shard_set, listed, now, 945.0, 10) == set()
+    assert early_merges(d.shard_set, listed, now, 945.0, 10) == set()   # all but the newest 5: the old ones
+    assert early_merges(d.shard_set, listed, now, 945.0, 20) == set()   # 10: not over 10
     assert early_merges(d.shard_set, listed, now, 3600.0, 6) == set(oldest_first[:7])
     r = compact(buf, min_age_s=945.0, grace_s=3600.0, max_unmerged=6)
     assert (r.merged_files, r.written_files, r.groups) == (7, 1, 14)

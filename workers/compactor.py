@@ -44,6 +44,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,13 +114,14 @@ class CompactorConfig:
     free, > 0. None: no check."""
     max_unmerged: int | None = 256
     """Most files a set (rollout shards, ledger, metrics, generator metrics) holds unmerged, as their
-    writers left them, before the compactor merges early: between passes the daemon counts them every
-    second (a listing, no file read; every 5 s on an object store), and when a set holds more than this,
-    and max_unmerged // 2 more than after the last pass, a pass starts at once and merges that set's
-    unmerged files whatever their age, all but the newest max_unmerged // 2. Without it the unmerged files
-    number the writers' output over min_age_s + every_s, so the live files grow with the output (a
-    60-minute soak's peaks rose 4-6 files a minute as the generator sped up); with it they stay under
-    about this many a set. >= 2, or none (min_age_s and every_s alone decide)."""
+    writers left them, before the compactor merges early: every pass merges a set's unmerged files
+    whatever their age when it holds more than max_unmerged // 2, all but the newest max_unmerged // 2;
+    between passes the daemon counts them every second (a listing, no file read; every 5 s on an object
+    store), and when a set holds more than this, and max_unmerged // 2 more than after the last pass, a
+    pass starts at once. Without it the unmerged files number the writers' output over min_age_s +
+    every_s, so the live files grow with the output (a 60-minute soak's peaks rose 4-6 files a minute
+    as the generator sped up); with it they stay under about this many a set, whatever the writers'
+    rate. >= 2, or none (min_age_s and every_s alone decide)."""
     nice: int = 10
     """How much lower the compactor daemon's CPU priority is than the other daemons' (added to its
     niceness, Unix; 0-19): on cores the trainer and generators keep busy, its merges then run in
@@ -175,8 +177,10 @@ c-file, a model's weights) takes minutes, and one in progress must never be abor
 _CHECKPOINT = re.compile(r"^step-(\d+)\.(pt|dcp)$")   # workers/trainer/checkpoint.py's names (it imports torch)
 
 
-def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict:
+def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig, *, defer_levels: bool = False) -> dict:
     """One pass over every file set of the run that exists yet; a CompactionReport per kind (KINDS).
+    With `defer_levels`, the rollout shards' level merges are planned, not written (their report's
+    `levels`, for buffer.merge_levels: LevelMerges).
 
     With cfg.keep_versions set, also a RetentionReport ("retention"): of a retention pass before
     the merges and one after (so that merged c-files old enough leave too), summed.
@@ -190,7 +194,8 @@ def compact_run(run_dir: str | os.PathLike, cfg: CompactorConfig) -> dict:
         # put them in one file with newer groups, which keeps them all until the newest is old enough.
         before = retire(run, cfg) if cfg.keep_versions is not None else None
         out["shards"] = buffer.compact(root, target_groups=cfg.target_groups, fanout=cfg.fanout,
-                                       max_groups=cfg.level_max_groups, max_bytes=cfg.level_max_bytes, **ages)
+                                       max_groups=cfg.level_max_groups, max_bytes=cfg.level_max_bytes,
+                                       defer_levels=defer_levels, **ages)
         out["ledger"] = buffer.compact_ledger(root, target_rows=cfg.target_rows, **ages)
         if before is not None:
             after = retire(run, cfg)
@@ -408,6 +413,56 @@ class EarlyTrigger:
         return []
 
 
+class LevelMerges:
+    """The compactor daemon's level merges, on a thread of their own (local runs).
+
+    A level merge re-encodes up to compactor.max_file_mb (a 139 MiB one took 15.6 s on 2 cores), and
+    the writers' files kept coming meanwhile, unmerged, since the pass held the buffer's lock and
+    merged nothing else: the live file count's peaks followed the level merges. Now each pass plans
+    the level merges (compact_run with defer_levels) and, when no level merge is running, hands them
+    to this thread (buffer.merge_levels: the lock only for each file's swap); the next passes' base
+    merges go on meanwhile. On an object store the pass merges levels itself, as before: there the
+    lock is a lease of the process, which two of its threads cannot take from each other.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, stop: StopFlag):
+        self.root = as_path(run_dir) / "buffer"
+        self.stop = stop
+        self.totals = {"level_merges": 0, "merged_files": 0, "written_files": 0, "groups": 0, "abandoned": 0,
+                       "seconds": 0.0}
+        self._thread: threading.Thread | None = None
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, batches: list) -> None:
+        """Merge `batches` (a CompactionReport's `levels`) on the thread; call only when not busy."""
+        self._thread = threading.Thread(target=self._merge, args=(batches,), name="level-merges", daemon=True)
+        self._thread.start()
+
+    def _merge(self, batches: list) -> None:
+        t0 = time.perf_counter()
+        try:
+            r = buffer.merge_levels(self.root, batches, stop=lambda: bool(self.stop))
+        except Exception as e:  # noqa: BLE001 - the next pass plans them again
+            log.warning("level merges of %s failed (the next pass tries again): %s: %s", self.root,
+                        type(e).__name__, e)
+            return
+        took = time.perf_counter() - t0
+        t = self.totals
+        t["level_merges"] += 1
+        t["seconds"] += took
+        for k in ("merged_files", "written_files", "groups", "abandoned"):
+            t[k] += getattr(r, k)
+        log.info("level merges in %.2f s: shards %d -> %d (%d groups)%s; rss %.0f MiB", took, r.merged_files,
+                 r.written_files, r.groups, f", {r.abandoned} dropped (a source left meanwhile, or stopping)"
+                 if r.abandoned else "", rss_mb())
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
 def release_arrow_memory() -> None:
     """Give the memory Arrow's allocator keeps after a pass back to the system (see
     workers.proc.use_system_allocator)."""
@@ -425,7 +480,8 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
         with StopFlag() as own:
             return run_compactor(run_dir, cfg, own)
     totals = {"passes": 0, "early_passes": 0, "merged_files": 0, "written_files": 0, "deleted_files": 0, "groups": 0,
-              "quarantined": 0, "retired_files": 0, "retired_groups": 0, "aborted_uploads": 0, "seconds": 0.0}
+              "quarantined": 0, "retired_files": 0, "retired_groups": 0, "aborted_uploads": 0, "seconds": 0.0,
+              "level_merges": 0, "level_seconds": 0.0}
     log.info("compacting %s every %.0f s (files older than %.0f s; %d groups a shard, %d rows a ledger/metrics "
              "file)%s; Arrow allocator %s", run_dir, cfg.every_s, cfg.min_age_s, cfg.target_groups, cfg.target_rows,
              "" if cfg.max_unmerged is None else f", and at once when a set has over {cfg.max_unmerged} unmerged files",
@@ -435,12 +491,30 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
                  cfg.keep_versions, "archived to buffer/archive/shards/" if cfg.retention == "archive" else "deleted")
     disk = DiskWatch()
     trigger = EarlyTrigger(run_dir, cfg)
+    levels = None if cfg.fanout is None or isinstance(as_path(run_dir), RemotePath) else LevelMerges(run_dir, stop)
+    try:
+        _compact_until_stopped(run_dir, cfg, stop, totals, disk, trigger, levels)
+    finally:
+        if levels is not None:
+            levels.join()   # stop() is asked before each row group: a merge in progress is dropped at once
+            for k in ("merged_files", "written_files", "groups"):
+                totals[k] += levels.totals[k]
+            totals["level_merges"], totals["level_seconds"] = levels.totals["level_merges"], levels.totals["seconds"]
+    return totals
+
+
+def _compact_until_stopped(run_dir, cfg: CompactorConfig, stop: StopFlag, totals: dict, disk: DiskWatch,
+                           trigger: EarlyTrigger, levels: LevelMerges | None) -> None:
+    """run_compactor's passes, until stopped."""
     swept = None       # when abort_stale_uploads last ran (monotonic)
     early: list[str] = []
     while not stop:
         t0 = time.perf_counter()
-        reports = compact_run(run_dir, cfg)
+        reports = compact_run(run_dir, cfg, defer_levels=levels is not None)
         took = time.perf_counter() - t0
+        planned = reports["shards"].levels if "shards" in reports else []
+        if planned and levels is not None and not levels.busy():
+            levels.start(planned)
         trigger.passed()
         totals["early_passes"] += bool(early)
         kept = reports.pop("retention", None)
@@ -474,4 +548,3 @@ def run_compactor(run_dir: str | os.PathLike, cfg: CompactorConfig, stop: StopFl
                 log.warning("could not abort stale multipart uploads of %s: %s", run_dir, e)
             swept = time.monotonic()
         early = trigger.wait(stop)
-    return totals

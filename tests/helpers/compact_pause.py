@@ -3,8 +3,12 @@
 KIND: shards, ledger, metrics or generator_metrics (the file set to pause in);
 POINT: written (its c-file written, the manifest not yet swapped), swapped (the
 manifest swapped, nothing deleted), deleting (one replaced source deleted, the
-others and the manifest not yet). At the point the process writes MARKER and
-sleeps until killed. The pause is patched in here, in the test's process only.
+others and the manifest not yet). KIND levels: the rollout shards' level merges
+as the daemon runs them (planned by a pass, written by buffer.merge_levels
+without the lock; target_groups 4, fanout 2), POINT writing (its temp file
+open) or written (renamed into place under the lock, not yet swapped in). At
+the point the process writes MARKER and sleeps until killed. The pause is
+patched in here, in the test's process only.
 """
 
 import os
@@ -13,6 +17,7 @@ import time
 from pathlib import Path
 
 import buffer.fileset as fileset
+from buffer import compact, merge_levels
 from workers.compactor import CompactorConfig, compact_run
 
 run, kind, point, marker = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
@@ -25,7 +30,7 @@ def pause() -> None:
 
 
 def ours(fs) -> bool:
-    return fs.folder.name == kind
+    return fs.folder.name == ("shards" if kind == "levels" else kind)
 
 
 swap, delete_expired, unlink = fileset.FileSet.swap, fileset.FileSet.delete_expired, os.unlink
@@ -60,6 +65,21 @@ def paused_delete(self, *a, **k):
 
 fileset.FileSet.swap = paused_swap
 fileset.FileSet.delete_expired = paused_delete
-compact_run(run, CompactorConfig(min_age_s=0.0, grace_s=0.0))
+if kind == "levels":
+    fileset.FileSet.swap = swap   # the pass's base swap (none: only c-files are live) is not the pause
+    planned = compact(Path(run) / "buffer", target_groups=4, fanout=2, max_groups=None, min_age_s=0.0, grace_s=0.0,
+                      defer_levels=True).levels
+    fileset.FileSet.swap = paused_swap
+    asked = []
+
+    def stop() -> bool:
+        asked.append(1)
+        if point == "writing" and len(asked) == 2:   # the temp file open, a row group read
+            pause()
+        return False
+
+    merge_levels(Path(run) / "buffer", planned, stop=stop)
+else:
+    compact_run(run, CompactorConfig(min_age_s=0.0, grace_s=0.0))
 print("no pause reached", file=sys.stderr)
 sys.exit(3)
