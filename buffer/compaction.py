@@ -111,7 +111,7 @@ def compact(root: str | os.PathLike, *, target_groups: int = 4096, min_age_s: fl
             max_unmerged: int | None = None, defer_levels: bool = False) -> CompactionReport:
     """Merge sealed small rollout shards into c-files of about `target_groups` groups, and with
     `fanout`, c-files into levels of up to `max_groups` groups and `max_bytes` bytes (None: no limit);
-    with `max_unmerged`, young shards too when more than that many are unmerged; with `defer_levels`,
+    with `max_unmerged`, young shards too when more than half that many are unmerged; with `defer_levels`,
     the level merges are only planned (report.levels, for merge_levels); see module doc."""
     d = BufferDir(root)
     fs = d.shard_set

@@ -9,9 +9,11 @@ The compactor keeps the live file count bounded:
     until SIGTERM / SIGINT:
         compact_run(run, cfg):
             buffer.compact: rollout shards older than min_age_s (sealed) and smaller
-                than target_groups become c-files of about target_groups groups; fanout
-                c-files of a level become one of the next, up to max_file_mb a file
-                (and max_groups groups; by default only with retention)
+                than target_groups become c-files of about target_groups groups (younger
+                ones too, all but the newest max_unmerged // 2); fanout c-files of a level
+                become one of the next, up to max_file_mb a file (and max_groups groups; by
+                default only with retention): planned here, written on the LevelMerges
+                thread (local runs), whose lock is taken only to swap each file in
             buffer.compact_ledger: ledger files become merged files of about
                 target_rows records, in step order
             retention (only with keep_versions set): live shards whose groups are all

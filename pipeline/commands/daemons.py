@@ -192,10 +192,12 @@ def compactor(run_dir: str, overrides: tuple[str, ...]) -> None:
 
     Every compactor.every_s seconds, merges the buffer's sealed small shards
     (older than compactor.min_age_s) into c-files, and the ledger's and the
-    metrics' small files likewise; at once, younger ones too, when a kind has
-    more than compactor.max_unmerged files unmerged. So the number of live
-    files stays bounded however long the run goes and however fast its
-    generators write; safe beside generators, the
+    metrics' small files likewise, younger ones too down to half of
+    compactor.max_unmerged a kind; at once when a kind has more than
+    compactor.max_unmerged files unmerged. Level merges of c-files run on a
+    thread beside the passes. So the number of live files stays bounded
+    however long the run goes and however fast its generators write; safe
+    beside generators, the
     trainer and SQL readers. `asyncgrpo run` starts one itself; run this one
     when the daemons of a run are spread over machines (one per run).
 
