@@ -150,6 +150,39 @@ def test_the_trigger_waits_for_half_the_limit_more_than_the_last_pass_left(run_d
     assert EarlyTrigger(run_dir, CompactorConfig(max_unmerged=None)).over() == []
 
 
+def test_the_trigger_looks_ahead_by_the_arrival_rate_and_counts_only_what_the_pass_saw(run_dir):
+    """A pass that takes a while: the files that come meanwhile do not raise the next trigger, and the
+    trigger fires early enough that the files arriving during a pass as long as the last keep the set
+    at max_unmerged."""
+    clock = [100.0]
+    t = EarlyTrigger(run_dir, CompactorConfig(max_unmerged=6), clock=lambda: clock[0])
+
+    def write(n, start, gen="g"):
+        with ShardWriter(run_dir / "buffer", generator_id=gen, flush_groups=1, flush_seconds=None,
+                         background=False) as w:
+            for i in range(start, start + n):
+                w.append(make_group(0, [1, 0, 1, 0], prompt_id=f"p{i}", seed=i))
+
+    write(9, 0)
+    t.starting()
+    r = compact(run_dir / "buffer", max_unmerged=6, **YOUNG)          # the pass: all but the newest 3
+    assert r.merged_files == 6
+    write(2, 9, gen="h")                                               # 2 more while it ran
+    t.passed(took=3.0)
+    assert unmerged_files(run_dir)["shards"] == 5 and t.after_pass["shards"] == 3   # saw 9, left 3
+    assert t.over() == []                                              # 5: under 6, no rate yet
+    clock[0] += 10.0
+    write(1, 11, gen="i")                                              # 6 unmerged, 1 in 10 s
+    assert t.over() == ["shards"]      # 6 + 0.1 a second * (3 s + 1 s) = 6.4 > 6 and >= 3 + 3
+    t2 = EarlyTrigger(run_dir, CompactorConfig(max_unmerged=6), clock=lambda: clock[0])
+    t2.passed()                        # without starting() and a pass's length: all 6 left, no look-ahead
+    clock[0] += 10.0
+    write(2, 12, gen="j")
+    assert t2.over() == []             # 8: over 6 but not 6 + 3
+    write(1, 14, gen="k")
+    assert t2.over() == ["shards"]
+
+
 def _unmerged_shards(run) -> int:
     return unmerged_count(BufferDir(run / "buffer").shard_set)
 
@@ -175,19 +208,24 @@ def test_the_daemon_merges_early_when_too_many_are_unmerged_long_before_every_s(
         while _unmerged_shards(run) != 3 and time.time() < deadline:   # the first pass: all but the newest 3
             time.sleep(0.1)
         assert _unmerged_shards(run) == 3
-        write(2, 10)                # 5 unmerged: not over 6, no pass for the hour of every_s
+        write(1, 10)                # 4 unmerged: not over 6, even looking ahead (at most 6 // 4 files)
         time.sleep(2.5)             # two and more counts (one a second)
-        assert _unmerged_shards(run) == 5
-        write(2, 12)                # 7: over 6, and 3 more than the first pass left
-        while _unmerged_shards(run) != 3 and time.time() < deadline:
+        assert _unmerged_shards(run) == 4
+        write(3, 11)                # 7: over 6, and 3 more than the first pass left (looking ahead by a
+        c_files = lambda: sum(n.startswith("c-") for n in BufferDir(run / "buffer").live_shard_names())
+        while c_files() < 2 and time.time() < deadline:   # file, the pass may start at 6, before the last)
             time.sleep(0.1)
-        assert _unmerged_shards(run) == 3
+        assert c_files() == 2
+        time.sleep(2.5)
+        left = _unmerged_shards(run)
+        assert left in (3, 4)       # all but the newest 3 of the 6 or 7 it saw
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     totals = json.loads(out.strip().splitlines()[-1])
-    assert (totals["passes"], totals["early_passes"], totals["merged_files"], totals["groups"]) == (2, 1, 11, 11)
+    assert (totals["passes"], totals["early_passes"], totals["merged_files"], totals["groups"]) == (
+        2, 1, 14 - left, 14 - left)
     assert "early: shards over 6 unmerged" in err
     assert _rollouts(run / "buffer") == (56, 14)
 

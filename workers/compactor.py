@@ -27,8 +27,9 @@ The compactor keeps the live file count bounded:
         on an object store, at most every hour: abort the run's multipart uploads
             older than STALE_UPLOAD_S (a process killed inside a large upload
             leaves its parts stored and billed under no name)
-        wait every_s, or until a set holds more than max_unmerged files not yet
-            merged (counted every second): then the pass merges young files too
+        wait every_s, or until a set will hold more than max_unmerged files not yet
+            merged by the time a pass ends (counted every second, looking ahead by
+            their arrival rate times the last pass's length: EarlyTrigger)
 
 Each set works under its lock and through its manifest (buffer/fileset.py),
 so the generators, the trainer and SQL readers never fail or count a row
@@ -173,6 +174,7 @@ BUDGET_SHARE = 0.9             # warn above this share of compactor.disk_budget_
 SWEEP_EVERY_S = 3600.0         # abort_stale_uploads at most this often
 COUNT_EVERY_S = 1.0            # the daemon counts unmerged files this often between passes (max_unmerged)
 COUNT_EVERY_REMOTE_S = 5.0     # on an object store (each count lists four prefixes and reads their manifests)
+RATE_MIN_S = 2.0               # EarlyTrigger measures the files' arrival rate over at least this long
 STALE_UPLOAD_S = 6 * 3600.0
 """A multipart upload older than this was left by a killed process: the largest upload of a run (a
 c-file, a model's weights) takes minutes, and one in progress must never be aborted."""
@@ -368,21 +370,55 @@ def unmerged_files(run_dir: str | os.PathLike) -> dict[str, int]:
     return {k: buffer.unmerged_count(sets[k]) if k in sets else 0 for k in KINDS}
 
 
+def unmerged_names(run_dir: str | os.PathLike) -> dict[str, set[str]]:
+    """The names of unmerged_files, by kind."""
+    sets = run_file_sets(run_dir)
+    return {k: {n for n in sets[k].live_names() if not sets[k].is_compacted(n)} if k in sets else set()
+            for k in KINDS}
+
+
 class EarlyTrigger:
     """When the compactor daemon's next pass starts: `every_s` after the last, or at once when a set
-    holds more than `max_unmerged` unmerged files and max_unmerged // 2 more than right after the last
-    pass (so files a pass cannot merge, such as writer shards of target_groups or more, do not start
-    one pass after another). Counts every `count_every_s`."""
+    will hold more than `max_unmerged` unmerged files by the time a pass started now would have merged
+    them (its count now, plus its files' arrival rate since the last pass times the last pass's length
+    and one count's interval), and max_unmerged // 2 more than the last pass saw and left (so files a
+    pass cannot merge, such as writer shards of target_groups or more, do not start one pass after
+    another). The look-ahead is at most max_unmerged // 4 files (a burst of files measured as a rate,
+    or a slow pass, would otherwise start passes that merge next to nothing). Counts every
+    `count_every_s`.
 
-    def __init__(self, run_dir: str | os.PathLike, cfg: CompactorConfig):
-        self.run_dir, self.cfg = run_dir, cfg
+    Without the look-ahead the files that arrive while a pass runs came on top of max_unmerged, and a
+    pass's length grows with the CPU the other daemons leave the compactor; with the files that
+    arrived during the pass counted in the hysteresis too, each pass started later still: a 60-minute
+    soak's peaks rose with the generator's rate and the passes' length (+0.65 files a minute over its
+    last half hour, passes from 1.0 to 3.2 s long).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, cfg: CompactorConfig, *, clock=time.monotonic):
+        self.run_dir, self.cfg, self.clock = run_dir, cfg, clock
         self.count_every_s = COUNT_EVERY_REMOTE_S if isinstance(as_path(run_dir), RemotePath) else COUNT_EVERY_S
-        self.after_pass: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self.after_pass: dict[str, int] = dict.fromkeys(KINDS, 0)   # what the last pass saw and left
+        self.pass_s = 0.0                                          # how long the last pass took
+        self._seen: dict[str, set[str]] | None = None              # unmerged names when the pass began
+        self._base: tuple[float, dict[str, int]] | None = None     # when the last pass ended, the counts then
+        self._rate: dict[str, float] = dict.fromkeys(KINDS, 0.0)   # files a second since then
 
-    def passed(self) -> None:
-        """Call after each pass: the counts it left are the base of the next trigger."""
+    def starting(self) -> None:
+        """Call before each pass: the files it will see."""
         if self.cfg.max_unmerged is not None:
-            self.after_pass = unmerged_files(self.run_dir)
+            self._seen = unmerged_names(self.run_dir)
+
+    def passed(self, took: float = 0.0) -> None:
+        """Call after each pass (`took` seconds): the files it saw and left, which the next trigger must
+        exceed by max_unmerged // 2 (all it left, without a starting() call), and the base of the rate."""
+        if self.cfg.max_unmerged is None:
+            return
+        names = unmerged_names(self.run_dir)
+        seen = self._seen
+        self.after_pass = {k: len(v & seen[k]) if seen is not None else len(v) for k, v in names.items()}
+        self._seen = None
+        self.pass_s = took
+        self._base = (self.clock(), {k: len(v) for k, v in names.items()})
 
     def over(self) -> list[str]:
         """The kinds whose unmerged files call for a pass now."""
@@ -390,7 +426,16 @@ class EarlyTrigger:
         if m is None:
             return []
         now = unmerged_files(self.run_dir)
-        return [k for k, n in now.items() if n > m and n >= self.after_pass[k] + m // 2]
+        if self._base is not None and self.clock() - self._base[0] >= RATE_MIN_S:
+            elapsed = self.clock() - self._base[0]
+            self._rate = {k: max(0, n - self._base[1].get(k, 0)) / elapsed for k, n in now.items()}
+        lag = self.pass_s + self.count_every_s if self.pass_s > 0 else 0.0
+        out = []
+        for k, n in now.items():
+            ahead = n + min(self._rate.get(k, 0.0) * lag, m // 4)   # a burst is no rate: a pass merges >= m / 4
+            if ahead > m and ahead >= self.after_pass[k] + m // 2:
+                out.append(k)
+        return out
 
     def wait(self, stop: StopFlag) -> list[str]:
         """Wait for the next pass; the kinds that started it early ([] when every_s ran out or on stop)."""
@@ -511,13 +556,14 @@ def _compact_until_stopped(run_dir, cfg: CompactorConfig, stop: StopFlag, totals
     swept = None       # when abort_stale_uploads last ran (monotonic)
     early: list[str] = []
     while not stop:
+        trigger.starting()
         t0 = time.perf_counter()
         reports = compact_run(run_dir, cfg, defer_levels=levels is not None)
         took = time.perf_counter() - t0
         planned = reports["shards"].levels if "shards" in reports else []
         if planned and levels is not None and not levels.busy():
             levels.start(planned)
-        trigger.passed()
+        trigger.passed(took)
         totals["early_passes"] += bool(early)
         kept = reports.pop("retention", None)
         totals["passes"] += 1
