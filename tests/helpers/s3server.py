@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 
 def _free_port() -> int:
@@ -193,8 +194,8 @@ class S3Server:
         env = dict(os.environ)
         if auth:   # enforce credentials: the first 3 requests (user, its policy, its key) are free
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                      "-p", str(self.server_port)],
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("moto_serial.py")), "127.0.0.1",
+                                      str(self.server_port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         _wait_port(self.server_port)
         self.relay = Relay(self.server_port)
