@@ -364,17 +364,17 @@ def live_files(run_dir: str | os.PathLike) -> dict[str, int]:
     return {k: len(sets[k].live_names()) if k in sets else 0 for k in KINDS}
 
 
-def unmerged_files(run_dir: str | os.PathLike) -> dict[str, int]:
-    """Live files of each kind (KINDS) in a run that are not merged yet (as their writers left them)."""
-    sets = run_file_sets(run_dir)
-    return {k: buffer.unmerged_count(sets[k]) if k in sets else 0 for k in KINDS}
-
-
 def unmerged_names(run_dir: str | os.PathLike) -> dict[str, set[str]]:
-    """The names of unmerged_files, by kind."""
+    """Names of the live files of each kind (KINDS) in a run that are not merged yet (as their writers
+    left them)."""
     sets = run_file_sets(run_dir)
     return {k: {n for n in sets[k].live_names() if not sets[k].is_compacted(n)} if k in sets else set()
             for k in KINDS}
+
+
+def unmerged_files(run_dir: str | os.PathLike) -> dict[str, int]:
+    """How many unmerged_names of each kind."""
+    return {k: len(v) for k, v in unmerged_names(run_dir).items()}
 
 
 class EarlyTrigger:
@@ -426,8 +426,8 @@ class EarlyTrigger:
         if m is None:
             return []
         now = unmerged_files(self.run_dir)
-        if self._base is not None and self.clock() - self._base[0] >= RATE_MIN_S:
-            elapsed = self.clock() - self._base[0]
+        elapsed = None if self._base is None else self.clock() - self._base[0]
+        if elapsed is not None and elapsed >= RATE_MIN_S:
             self._rate = {k: max(0, n - self._base[1].get(k, 0)) / elapsed for k, n in now.items()}
         lag = self.pass_s + self.count_every_s if self.pass_s > 0 else 0.0
         out = []
