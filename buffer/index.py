@@ -487,7 +487,7 @@ class GroupIndex:
         if plan is not None:
             self._follow(fidx, plan)
         col = {c: table.column(c) for c in INDEX_COLUMNS}
-        reasons = reason_codes(col["filter_reason"].take(first).to_pylist(),
+        reasons = reason_codes(col["filter_reason"].take(first),
                                col["filtered"].to_numpy(zero_copy_only=False)[first])
         versions = col["version"].to_numpy()[first]
         created = col["created_at"].cast(pa.int64()).to_numpy()[first]
@@ -685,12 +685,21 @@ def _max_per_writer(w: np.ndarray, q: np.ndarray) -> tuple[list[int], list[int]]
     return writers.tolist(), top.tolist()
 
 
-def reason_codes(filter_reasons: list[str | None], filtered: np.ndarray) -> np.ndarray:
+def reason_codes(filter_reasons, filtered: np.ndarray) -> np.ndarray:
     """Filter reason code per group, shape (N,): 1 + position in FILTER_REASONS, 0 when not filtered.
 
-    A group flagged `filtered` without a reason counts as all_equal.
+    filter_reasons: shape (N,), a pyarrow string array or a list / numpy array of str or None.
+    A group flagged `filtered` without a reason counts as all_equal. Vectorised through Arrow's
+    dictionary encoding: `asyncgrpo status` passes a cell per (file, version, reason), 225,924 of
+    them on the synthetic soak's final buffer, where a Python loop took 90 ms.
     """
-    codes = np.array([_REASON_CODE.get(r, 0) for r in filter_reasons], dtype=np.int8)
+    arr = filter_reasons if isinstance(filter_reasons, (pa.Array, pa.ChunkedArray)) \
+        else pa.array(filter_reasons, pa.string())
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    enc = arr.dictionary_encode()
+    lut = np.array([_REASON_CODE.get(r, 0) for r in enc.dictionary.to_pylist()] + [0], dtype=np.int8)
+    codes = lut[enc.indices.fill_null(len(lut) - 1).to_numpy(zero_copy_only=False)]
     codes[np.asarray(filtered, dtype=np.bool_) & (codes == 0)] = _REASON_CODE["all_equal"]
     return codes
 

@@ -140,7 +140,7 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
     used_n = np.bincount(at, weights=used_n, minlength=len(used_v)).astype(np.int64)
     keep = cells["groups"] > 0
     version = cells["version"][keep].astype(np.int64)
-    reason = buffer.reason_codes(list(cells["filter_reason"][keep]), cells["filtered"][keep])
+    reason = buffer.reason_codes(cells["filter_reason"][keep], cells["filtered"][keep])
     weight, completions = cells["groups"][keep].astype(np.int64), cells["completions"][keep].astype(np.int64)
     reward_sum = cells["reward_sum"][keep].astype(np.float64)
     consumed = _split_consumed(version, np.where(reason == 0, weight, 0), used_v, used_n)
@@ -184,11 +184,12 @@ def range_width(versions: np.ndarray, max_rows: int) -> int:
     ranges [k*w, (k+1)*w) hold one of `versions`."""
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    present = np.unique(versions)
+    present = np.unique(versions)   # sorted, so each width's ranges are counted by its steps, not a sort
     for power in itertools.count():
         for mantissa in (1, 2, 5):
             width = mantissa * 10 ** power
-            if len(np.unique(present // width)) <= max_rows:
+            keys = present // width
+            if len(keys) <= max_rows or 1 + int(np.count_nonzero(keys[1:] != keys[:-1])) <= max_rows:
                 return width
 
 

@@ -177,6 +177,26 @@ def test_range_width_is_the_smallest_round_one_that_fits(versions, rows, width):
     assert range_width(np.asarray(versions), rows) == width
 
 
+@pytest.mark.parametrize("form", ["list", "numpy", "arrow", "chunked"])
+def test_reason_codes_from_every_form_status_and_the_index_pass(form):
+    """A code per group: 1 + position in FILTER_REASONS, 0 for none, '' or an unknown reason, and a filtered
+    group without a reason counts as all_equal; the same from a list, a numpy object array (status's
+    cells) and an Arrow array, whole or chunked (the index's column)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from buffer import reason_codes
+
+    reasons = ["all_wrong", None, "all_correct", "", "all_equal", "mystery", None, "all_wrong"]
+    filtered = np.array([True, False, True, True, True, False, True, False])
+    arg = {"list": reasons, "numpy": np.array(reasons, dtype=object), "arrow": pa.array(reasons, pa.string()),
+           "chunked": pa.chunked_array([reasons[:3], reasons[3:]], pa.string())}[form]
+    codes = reason_codes(arg, filtered)
+    assert codes.dtype == np.int8
+    assert codes.tolist() == [2, 0, 1, 3, 3, 0, 3, 2]
+    assert reason_codes([], np.zeros(0, np.bool_)).tolist() == []
+
+
 def test_cli_default_ranges_is_the_library_default():
     [opt] = [p for p in status_command.params if p.name == "max_ranges"]
     assert opt.default == DEFAULT_MAX_RANGES
