@@ -351,3 +351,40 @@ def test_the_compactor_daemon_writes_level_merges_on_its_thread(tmp_path):
     assert out["level_merges"] >= 2 and out["groups"] >= 160 + 160 + 160   # base, then two levels
     got = BufferSQL(run_dir).query("SELECT count(*) AS n, count(DISTINCT group_id) AS g FROM rollouts").to_pylist()
     assert got == [{"n": 640, "g": 160}] and len(ids) == 160
+
+
+def test_a_level_merge_waits_while_a_pass_runs_then_goes_on_and_a_stop_ends_the_wait(buf):
+    """LevelMerges.yielding (around each of the daemon's passes): the level merge in progress pauses at its
+    next row group, holding no lock, so the daemon takes one core; it completes once the pass ends, and a
+    stop while it waits drops it."""
+    from workers.compactor import LevelMerges
+    from workers.stop import StopFlag
+
+    _fill(buf, 160, flush_groups=10)
+    compact(buf, **LEVELS)
+    with StopFlag() as stop:
+        levels = LevelMerges(buf.parent, stop)
+        with levels.yielding():
+            levels.start(compact(buf, defer_levels=True, **LEVELS).levels)
+            time.sleep(1.0)
+            assert levels.busy() and sorted(_live(buf).values()) == [20] * 8
+            assert not [n for n in _on_disk(buf) if "-L" in n]
+            with BufferDir(buf).lock:    # the paused merge holds no lock: a pass could take it
+                pass
+        levels.join()
+        assert sorted(_live(buf).values()) == [40] * 4
+        assert levels.totals["level_merges"] == 1 and levels.totals["abandoned"] == 0
+        assert 0.9 <= levels.totals["paused_s"] < 10
+
+        planned = compact(buf, defer_levels=True, **LEVELS).levels    # the 40s into two of 80
+        assert len(planned) == 2
+        written = levels.totals["written_files"]
+        with levels.yielding():
+            levels.start(planned)
+            time.sleep(0.5)
+            stop.set()
+            levels.join()
+    assert levels.totals["written_files"] == written and os.listdir(BufferDir(buf).tmp) == []
+    assert sorted(_live(buf).values()) == [40] * 4 and not levels.busy()
+    got = BufferSQL(buf).query("SELECT count(*) AS n, count(DISTINCT group_id) AS g FROM rollouts").to_pylist()
+    assert got == [{"n": 640, "g": 160}]
