@@ -50,9 +50,9 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
 import buffer
