@@ -476,7 +476,9 @@ class LevelMerges:
     While a pass runs (`yielding`), the level merge waits at its next source row group (holding no
     lock) and goes on when the pass ends: the daemon takes one core, as when the pass merged levels
     itself, not two beside the trainer and generators. With both at once, the synthetic soak's pull
-    p99 rose 43 -> 71 ms over its tenths (bccfdac), where it stayed flat at 082fc2a on the same host.
+    p99 rose 43 -> 71 ms over its tenths (bccfdac), where it stayed flat at 082fc2a on the same host;
+    two 10,000-step runs with the pause still looked like bccfdac's, so it is not the whole cause
+    (README, "Where the targets stand").
     """
 
     def __init__(self, run_dir: str | os.PathLike, stop: StopFlag):
