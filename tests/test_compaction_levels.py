@@ -357,6 +357,8 @@ def test_a_level_merge_waits_while_a_pass_runs_then_goes_on_and_a_stop_ends_the_
     """LevelMerges.yielding (around each of the daemon's passes): the level merge in progress pauses at its
     next row group, holding no lock, so the daemon takes one core; it completes once the pass ends, and a
     stop while it waits drops it."""
+    import threading
+
     from workers.compactor import LevelMerges
     from workers.stop import StopFlag
 
@@ -364,9 +366,12 @@ def test_a_level_merge_waits_while_a_pass_runs_then_goes_on_and_a_stop_ends_the_
     compact(buf, **LEVELS)
     with StopFlag() as stop:
         levels = LevelMerges(buf.parent, stop)
+        asked, stopping = threading.Event(), levels._stopping
+        levels._stopping = lambda: asked.set() or stopping()    # the thread has reached its first check
         with levels.yielding():
             levels.start(compact(buf, defer_levels=True, **LEVELS).levels)
-            time.sleep(1.0)
+            assert asked.wait(60)
+            time.sleep(1.0)                                      # so it pauses at least this long
             assert levels.busy() and sorted(_live(buf).values()) == [20] * 8
             assert not [n for n in _on_disk(buf) if "-L" in n]
             with BufferDir(buf).lock:    # the paused merge holds no lock: a pass could take it
