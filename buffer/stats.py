@@ -89,22 +89,6 @@ def read_footers(files: list[Path], names: tuple[str, ...], count: str, *, arrow
         return list(pool.map(lambda p: footer_cells(p, names, count, arrow=arrow), files))
 
 
-def shard_cells(shards: list[Path], con) -> dict[str, np.ndarray] | None:
-    """Every shard's cells: from its footer, or by a scan on the DuckDB connection `con` (which must be
-    able to read the shards); None when a footer or a file cannot be read or a file's rows do not add
-    up to its groups (the careful path then names the bad file)."""
-    found = shard_summaries(shards)
-    if found is None:
-        return None
-    cells, scan = found
-    if not scan:
-        return cells
-    read = _scanned(scan, con)
-    if read is None:
-        return None
-    return {k: np.concatenate([cells[k], read[k]]) for k in SHARD_DTYPES}
-
-
 def _scanned(scan: list[Path], con) -> dict[str, np.ndarray] | None:
     """The cells of shards without a usable footer summary, read by rows (CELLS_SQL); None when that
     fails or a file's rows do not add up to its groups."""
@@ -122,8 +106,11 @@ def _scanned(scan: list[Path], con) -> dict[str, np.ndarray] | None:
 
 
 def shard_table(shards: list[Path], con) -> "pa.Table | None":
-    """shard_cells as one Arrow table (SHARD_SUMMARY columns, a row per file and cell), kept in Arrow
-    throughout: what SQL's version_stats aggregates with DuckDB."""
+    """Every shard's cells as one Arrow table (SHARD_SUMMARY columns, a row per file and cell), kept in Arrow
+    throughout: from its footer, or by a scan on the DuckDB connection `con` (which must be able to read
+    the shards); None when a footer or a file cannot be read or a file's rows do not add up to its groups
+    (status's careful path then names the bad file). SQL's version_stats aggregates it with DuckDB;
+    `asyncgrpo status` sums it per version (its filter reasons stay Arrow strings, never Python ones)."""
     import pyarrow as pa
 
     types = shard_types()

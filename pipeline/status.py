@@ -40,7 +40,7 @@ import buffer
 from buffer.fileset import LEDGER_SUMMARY
 from buffer.layout import BufferDir, find_buffer, ledger_is_merged
 from buffer.retention import archived_shards, newest_in_ledger, read_floor
-from buffer.stats import Unreadable, concat, footer_cells, shard_cells
+from buffer.stats import Unreadable, concat, footer_cells, shard_table
 from buffer.store import RemotePath
 
 DEFAULT_MAX_RANGES = 20
@@ -110,8 +110,8 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
     if remote is not None:
         remote.store.register(con)
     try:
-        cells = shard_cells(shards, con)
-        if cells is None:
+        table = shard_table(shards, con)
+        if table is None:
             return None
         used_v, used_n = np.zeros(0, np.int64), np.zeros(0, np.int64)   # records that used a group up, per version
         if ledger:
@@ -136,38 +136,54 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
         return None
     finally:
         con.close()
-    used_v, at = np.unique(used_v, return_inverse=True)
-    used_n = np.bincount(at, weights=used_n, minlength=len(used_v)).astype(np.int64)
-    keep = cells["groups"] > 0
-    version = cells["version"][keep].astype(np.int64)
-    reason = buffer.reason_codes(cells["filter_reason"][keep], cells["filtered"][keep])
-    weight, completions = cells["groups"][keep].astype(np.int64), cells["completions"][keep].astype(np.int64)
-    reward_sum = cells["reward_sum"][keep].astype(np.float64)
-    consumed = _split_consumed(version, np.where(reason == 0, weight, 0), used_v, used_n)
-    zero = np.zeros(len(version), np.int64)
-    rows = _Rows(np.concatenate([version, version]), np.concatenate([reason, reason]),
-                 np.concatenate([zero, zero + reuse]), np.ones(2 * len(version), np.bool_),
-                 np.concatenate([weight - consumed, consumed]), np.concatenate([completions, zero]),
-                 np.concatenate([reward_sum, zero.astype(np.float64)]), {})
-    return rows
+    reason = buffer.reason_codes(table.column("filter_reason"), table.column("filtered").to_numpy())
+    version, reason, (weight, completions, reward_sum) = _per_version_and_reason(
+        table.column("version").to_numpy().astype(np.int64), reason,
+        [table.column(k).to_numpy() for k in ("groups", "completions", "reward_sum")])
+    keep = weight > 0
+    if not keep.all():
+        version, reason, weight, completions, reward_sum = (a[keep] for a in (version, reason, weight,
+                                                                              completions, reward_sum))
+    if len(used_v):
+        uv, _, (un,) = _per_version_and_reason(used_v, np.zeros(len(used_v), np.int8), [used_n])
+        at = np.minimum(np.searchsorted(uv, version), len(uv) - 1)
+        used = np.where(uv[at] == version, un[at], 0)
+    else:
+        used = 0
+    consumed = np.where(reason == 0, np.minimum(used, weight), 0)   # one learnable cell per version
+    # Each cell's groups not used up, with its completions and rewards, then (where some are) those used up
+    # (consumed): rows in version order, no row of zeros.
+    twice = consumed > 0
+    at = np.repeat(np.arange(len(version)), 1 + twice)
+    second = np.zeros(len(at), np.bool_)
+    second[1:] = at[1:] == at[:-1]
+    first = ~second
+    rest = weight - consumed
+    return _Rows(version[at], reason[at], np.where(second, reuse, 0), np.ones(len(at), np.bool_),
+                 np.where(second, consumed[at], rest[at]), np.where(first, completions[at], 0),
+                 np.where(first, reward_sum[at], 0.0), {})
 
 
-def _split_consumed(version: np.ndarray, learnable: np.ndarray, uv: np.ndarray, un: np.ndarray) -> np.ndarray:
-    """Consumed groups per cell, shape (C,): each version uv[i]'s un[i] consumed groups (uv unique and
-    ascending, shape (U,)) spread over its cells' learnable groups (`learnable`, shape (C,)) in order, none
-    over a cell's count (all groups of a version share a state)."""
-    if not len(uv) or not len(version):
-        return np.zeros(len(version), np.int64)
-    order = np.argsort(version, kind="stable")
-    v, w = version[order], learnable[order]
-    cum = np.cumsum(w)
-    start = np.searchsorted(v, v, side="left")                 # first cell of each cell's version
-    before = cum - w - np.where(start > 0, cum[start - 1], 0)  # learnable groups of earlier cells, same version
-    at = np.clip(np.searchsorted(uv, v), 0, len(uv) - 1)
-    n = np.where(uv[at] == v, un[at], 0)
-    out = np.zeros(len(version), np.int64)
-    out[order] = np.clip(n - before, 0, w)
-    return out
+def _per_version_and_reason(version: np.ndarray, reason: np.ndarray, sums: list[np.ndarray]):
+    """Cells summed per (version, reason code): (versions, reasons, [sum of each of `sums`, in its dtype]),
+    each of shape (K,), ascending by version then reason.
+
+    The cells come from the files nearly in version order, so a stable argsort of their keys is cheap
+    (1.2 ms for the 226,000 cells of the synthetic soak's final buffer, 100,000 versions; the whole sum
+    12 ms) and leaves the rows sorted, which spares range_width and version_ranges a sort each.
+    """
+    codes = len(buffer.FILTER_REASONS) + 1
+    if not len(version):
+        return version, reason.astype(np.int8), [w[:0] for w in sums]
+    lo = int(version.min())
+    key = (version - lo) * codes + reason
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    new = np.ones(len(key), np.bool_)
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    key = key[starts]
+    return lo + key // codes, (key % codes).astype(np.int8), [np.add.reduceat(w[order], starts) for w in sums]
 
 
 def _read_index(root: Path) -> _Rows:
@@ -184,13 +200,24 @@ def range_width(versions: np.ndarray, max_rows: int) -> int:
     ranges [k*w, (k+1)*w) hold one of `versions`."""
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    present = np.unique(versions)   # sorted, so each width's ranges are counted by its steps, not a sort
+    present, _ = _runs(versions)   # sorted, so each width's ranges are counted by its steps, not a sort
     for power in itertools.count():
         for mantissa in (1, 2, 5):
             width = mantissa * 10 ** power
             keys = present // width
             if len(keys) <= max_rows or 1 + int(np.count_nonzero(keys[1:] != keys[:-1])) <= max_rows:
                 return width
+
+
+def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct keys, ascending; each key's index among them), shapes (K,) and (N,), of keys of shape
+    (N,): from where they change when they ascend, as the fast path's rows do, else by unique() (which
+    took 17 ms on 452,000 sorted rows of a 100,000-version buffer, this about 3 ms)."""
+    if len(keys) > 1 and not (keys[1:] >= keys[:-1]).all():
+        return np.unique(keys, return_inverse=True)
+    new = np.ones(len(keys), np.bool_)
+    np.not_equal(keys[1:], keys[:-1], out=new[1:])
+    return keys[new], np.cumsum(new) - 1
 
 
 def _sums(at: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
@@ -207,7 +234,7 @@ def weighted_counts(g: _Rows, states: np.ndarray, *, by_version: bool) -> dict:
     out["filtered_by_reason"] = {r: int(reasons[i + 1]) for i, r in enumerate(buffer.FILTER_REASONS)}
     out["admitted"] = out["groups"] - out["filtered"]
     if by_version:
-        versions, at = np.unique(g.version, return_inverse=True)
+        versions, at = _runs(g.version)
         table = _sums(at * len(names) + states, g.weight, len(versions) * len(names)).reshape(len(versions), -1)
         out["by_version"] = {int(v): {name: int(row[i]) for i, name in enumerate(names) if row[i]}
                              for v, row in zip(versions, table)}
@@ -222,18 +249,21 @@ def version_ranges(g: _Rows, states: np.ndarray, width: int) -> list[dict]:
     completion of the range (groups weighted by their size); filtered_share: filtered / groups.
     """
     present = (g.weight > 0) | (g.completions > 0)   # a row of consumed groups has weight, its twin the sums
-    version, states = g.version[present], states[present]
-    keys, at = np.unique(version // width, return_inverse=True)                          # (R,), (N,)
+    version, weight, completions, reward_sum = g.version, g.weight, g.completions, g.reward_sum
+    if not present.all():
+        version, weight, completions, reward_sum, states = (a[present] for a in (version, weight, completions,
+                                                                                 reward_sum, states))
+    keys, at = _runs(version // width)                                                    # (R,), (N,)
     n = len(keys)
-    groups = _sums(at, g.weight[present], n)
-    completions = _sums(at, g.completions[present], n)
-    reward_sum = np.bincount(at, weights=g.reward_sum[present], minlength=n)
+    groups = _sums(at, weight, n)
+    completions = _sums(at, completions, n)
+    reward_sum = np.bincount(at, weights=reward_sum, minlength=n)
     first = np.full(n, np.iinfo(np.int64).max)
     np.minimum.at(first, at, version)
     last = np.full(n, np.iinfo(np.int64).min)
     np.maximum.at(last, at, version)
     names = buffer.STATE_NAMES
-    per_state = _sums(at * len(names) + states, g.weight[present], n * len(names)).reshape(n, len(names))
+    per_state = _sums(at * len(names) + states, weight, n * len(names)).reshape(n, len(names))
     filtered = names.index("filtered")
     return [{"first": int(first[r]), "last": int(last[r]), "groups": int(groups[r]),
              "completions": int(completions[r]), "reward_mean": float(reward_sum[r] / completions[r]),
