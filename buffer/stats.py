@@ -38,9 +38,10 @@ class Unreadable(Exception):
 
 
 def footer_cells(p: Path, names: tuple[str, ...], count: str, *, arrow: bool = False):
-    """The columns of p's footer summary (a dict of numpy arrays, or with `arrow` a pyarrow Table) when its
-    `count` column adds up to the file's rows, else None (the caller reads the rows); Unreadable when the
-    footer cannot be read."""
+    """The columns of p's footer summary (a dict of numpy arrays; with `arrow`, a pyarrow Table for a merged
+    file's packed summary) when its `count` column adds up to the file's rows, else None (the caller reads
+    the rows); Unreadable when the footer cannot be read. A writer's shard has a few cells as JSON: a
+    Table of its own, cast and summed in Arrow, cost more than its cells (shard_table joins them)."""
     try:
         meta = read_metadata(p)
     except StoreError:   # the store unreachable: not a damaged file
@@ -50,7 +51,7 @@ def footer_cells(p: Path, names: tuple[str, ...], count: str, *, arrow: bool = F
     summary = read_summary(meta)
     if summary is None or summary["rows"] != meta.num_rows:
         return None
-    if arrow:
+    if arrow and "columns" in summary:
         import pyarrow.compute as pc
 
         t = summary_table(summary, names)
@@ -119,7 +120,16 @@ def shard_table(shards: list[Path], con) -> "pa.Table | None":
         found = read_footers(shards, SHARD_SUMMARY, "completions", arrow=True)
     except Unreadable:
         return None
-    parts = [t.cast(types) for t in found if t is not None]
+    parts, small = [], []   # small: consecutive writers' shards' cells, one table each run (file order kept)
+    for t in found + [None]:
+        if isinstance(t, dict):
+            small.append(t)
+            continue
+        if small:
+            parts.append(pa.table(concat(small, SHARD_DTYPES), schema=types))
+            small = []
+        if t is not None:
+            parts.append(t.cast(types))
     scan = [p for p, t in zip(shards, found) if t is None]
     if scan:
         read = _scanned(scan, con)
