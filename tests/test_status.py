@@ -304,3 +304,25 @@ def test_version_stats_gives_the_sums_of_the_rows_from_the_footers(many_versions
     total = db.query("SELECT sum(groups)::BIGINT AS n FROM version_stats").to_pylist()[0]["n"]
     assert total == len(groups) - lost
     assert [r["file"] for r in db.query("SELECT file FROM quarantined").to_pylist()] == [bad.name]
+
+
+def test_a_version_over_several_shards_and_descending_files_is_counted_once_per_state(tmp_path):
+    """The fast path sums the cells of a version that several shards hold (and shards written in any
+    version order) before it matches the ledger's consumed records to its learnable groups: status gives
+    the index's counts, exactly, and each version's groups in one range row."""
+    buf = tmp_path / "buffer"
+    versions = [5, 5, 5, 3, 3, 9, 5, 3, 9, 9, 0, 5]        # flushed 3 a shard: version 5 in three shards
+    with ShardWriter(buf, flush_groups=3, flush_seconds=None) as w:
+        for i, v in enumerate(versions):
+            rewards = [1.0, 1.0] if i % 4 == 3 else [1.0, 0.0, 0.5]      # every 4th all equal: filtered
+            w.append(make_group(v, rewards, prompt_id=f"p{i}", seed=i))
+    with Sampler(buf) as s:
+        pulled = s.pull(5, trainer_version=9, trainer_step=1, max_staleness=None)
+    assert pulled is not None and pulled.num_groups == 5
+    for t, stale in ((9, None), (9, 4), (6, 1)):
+        st = buffer_status(buf, trainer_version=t, max_staleness=stale, max_ranges=None)
+        counts = GroupIndex(buf, quarantine=False).counts(t, stale, 1, by_version=True)
+        assert {k: st[k] for k in counts} == counts and st["unreadable"] == {}
+        assert st["consumed"] == 5 and st["filtered"] == 3 and st["groups"] == 12
+        rows = {r["first"]: (r["groups"], r["completions"]) for r in st["version_ranges"]}
+        assert rows == {0: (1, 3), 3: (3, 7), 5: (5, 14), 9: (3, 9)}
