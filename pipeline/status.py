@@ -138,7 +138,7 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
         con.close()
     reason = buffer.reason_codes(table.column("filter_reason"), table.column("filtered").to_numpy())
     version, reason, (weight, completions, reward_sum) = _per_version_and_reason(
-        table.column("version").to_numpy().astype(np.int64), reason,
+        table.column("version").to_numpy(), reason,   # int64: shard_table casts to shard_types()
         [table.column(k).to_numpy() for k in ("groups", "completions", "reward_sum")])
     keep = weight > 0
     if not keep.all():
@@ -179,9 +179,7 @@ def _per_version_and_reason(version: np.ndarray, reason: np.ndarray, sums: list[
     key = (version - lo) * codes + reason
     order = np.argsort(key, kind="stable")
     key = key[order]
-    new = np.ones(len(key), np.bool_)
-    np.not_equal(key[1:], key[:-1], out=new[1:])
-    starts = np.flatnonzero(new)
+    starts = np.flatnonzero(_run_starts(key))
     key = key[starts]
     return lo + key // codes, (key % codes).astype(np.int8), [np.add.reduceat(w[order], starts) for w in sums]
 
@@ -215,9 +213,15 @@ def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     took 17 ms on 452,000 sorted rows of a 100,000-version buffer, this about 3 ms)."""
     if len(keys) > 1 and not (keys[1:] >= keys[:-1]).all():
         return np.unique(keys, return_inverse=True)
+    new = _run_starts(keys)
+    return keys[new], np.cumsum(new) - 1
+
+
+def _run_starts(keys: np.ndarray) -> np.ndarray:
+    """Whether each of `keys` (ascending, shape (N,)) starts a run of equal keys, shape (N,)."""
     new = np.ones(len(keys), np.bool_)
     np.not_equal(keys[1:], keys[:-1], out=new[1:])
-    return keys[new], np.cumsum(new) - 1
+    return new
 
 
 def _sums(at: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
