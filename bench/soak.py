@@ -44,16 +44,23 @@ speed by three subprocesses through the project's public entry points:
   this bench sees through the public listings below).
 
 The coordinator (this process) pauses nothing; at each tenth of the steps it
-measures, while everything runs:
+measures, while everything runs. The latencies (aggregate, count, version_stats,
+status, host) are taken in `--rounds` rounds (5), one started every
+`--round-gap` seconds (8): one call of each a round, and the tenth's figure is
+their median (`*_min`: their least; `status_s_spread` in the CSV: every call).
+Calls at one moment all meet the same state of the daemons (a level merge runs
+for up to ~20 s beside three busy processes on two cores), so a median of calls
+at one moment swung 0.23-0.75 s from tenth to tenth; rounds spread over ~35 s
+of a ~250 s tenth sample several of the compactor's states. The buffer grows by
+~1% of the run while they are taken.
 
   aggregate_ms   wall time of `buffer.BufferSQL(run).query("SELECT version, avg(reward) AS reward
                  FROM rollouts GROUP BY version")` on a fresh BufferSQL (fresh connection, views
-                 rebuilt, every footer read): what a user's SQL costs (median of 3 calls, fewer
-                 once they have taken 3 s: the daemons share the cores, one call is noisy)
+                 rebuilt, every footer read): what a user's SQL costs
   stats_ms       the same answer from the version_stats table ("SELECT version,
                  sum(reward_sum) / sum(completions) FROM version_stats GROUP BY version"),
                  built from the shards' footer sums: no row is read, so it follows the
-                 number of live files rather than the rows (measured the same way)
+                 number of live files and versions rather than the rows
   count_ms       `SELECT count(*) FROM rollouts` the same way: DuckDB counts rows from the footers
                  and reads no column, so this is the fixed part of aggregate_ms (connection, views,
                  a footer per file); aggregate_ms - count_ms is its scan of the rows
@@ -62,10 +69,13 @@ measures, while everything runs:
                  those that overlapped this bench's own measurements below (which grow with the
                  buffer and share the two cores) unless that leaves fewer than a quarter of them
                  (quiet_pulls: how many counted); pull_p50_all_ms, pull_p99_all_ms: every pull
-  status_s       wall time of `pipeline.status.buffer_status(run)` in this process (median as
-                 for aggregate_ms): what `asyncgrpo status` costs without Python's start-up
-                 (status_cli_s, the CLI as a subprocess, one call, is measured beside it; its
-                 start-up, about 0.5-1 s here, would hide the trend)
+  status_s       wall time of `pipeline.status.buffer_status(run)` in this process: what
+                 `asyncgrpo status` costs without Python's start-up (status_cli_s, the CLI as a
+                 subprocess, one call in the first round, is measured beside it; its start-up,
+                 about 0.5-1 s here, would hide the trend)
+  host_ms        a fixed piece of CPU work that reads nothing of the run (`host`): the host's
+                 own speed at that moment (these machines are shared; one slowed ~15% within a
+                 run), so host_ratio says how much of a latency's ratio is the host's drift
   live_files     live rollout shards + ledger files + metrics and generator_metrics files, as
                  readers list them through each kind's manifest (`workers.compactor.live_files`)
   writer_rss_mb, sampler_rss_mb, compactor_rss_mb
@@ -166,6 +176,8 @@ STATS_SQL = "SELECT version, sum(reward_sum) / sum(completions) AS reward FROM v
 COUNT_SQL = "SELECT count(*) AS n FROM rollouts"
 LIVE_EVERY_S = 5.0           # real part: live files are counted this often (each minute: its peak and low)
 DECILES = 10
+ROUNDS = 5                   # synthetic part: measurement rounds at each tenth (measure_rounds) ...
+ROUND_GAP_S = 8.0            # ... one started this often: 5 spread over ~35 s of a ~250 s tenth
 
 
 class BenchError(Exception):
@@ -451,19 +463,6 @@ def stop_all(children: list[Child], timeout: float = 60.0) -> dict[str, int]:
 
 
 # -- measurements ------------------------------------------------------------------------------
-def median_time(fn, run: Path, budget_s: float = 3.0) -> float:
-    """Median wall time of fn(run) over 3 calls, or 1 call if it takes more than `budget_s` / 3 (the
-    other daemons share the cores, so a single call is noisy; a slow one is repeated less)."""
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn(run)
-        times.append(time.perf_counter() - t0)
-        if sum(times) > budget_s:
-            break
-    return float(np.median(times))
-
-
 def aggregate(run: Path) -> None:
     """The aggregate on a fresh BufferSQL (fresh connection and views, every footer read)."""
     from buffer import BufferSQL
@@ -505,12 +504,10 @@ def status_cli(run: Path) -> None:
         raise BenchError(f"asyncgrpo status exited with {r.returncode}: {last}")
 
 
-def measured(fn, run: Path, errors: list[str], repeat: bool = True) -> float | None:
-    """median_time(fn, run) (one call without `repeat`); None and the error recorded if it raised:
-    a failing query or status is a finding of the soak, not a reason to stop it."""
+def measured(fn, run: Path, errors: list[str]) -> float | None:
+    """Wall seconds of one call fn(run); None and the error recorded if it raised: a failing query or
+    status is a finding of the soak, not a reason to stop it."""
     try:
-        if repeat:
-            return median_time(fn, run)
         t0 = time.perf_counter()
         fn(run)
         return time.perf_counter() - t0
@@ -518,6 +515,50 @@ def measured(fn, run: Path, errors: list[str], repeat: bool = True) -> float | N
         errors.append(f"{fn.__name__}: {type(e).__name__}: {str(e).strip()[-300:]}")
         log(f"  {errors[-1]}")
         return None
+
+
+def host(_run: Path) -> None:
+    """A fixed piece of CPU work that reads nothing of the run (a sort, a Python loop): its time says how
+    fast the host ran at that moment, so a latency's ratio can be read against the host's own drift."""
+    np.sort(np.random.default_rng(0).random(400_000))
+    sum(i * i for i in range(200_000))
+
+
+def measure_rounds(run: Path, ctl: Path, errors: list[str], rounds: int = ROUNDS,
+                   gap_s: float = ROUND_GAP_S) -> dict[str, list[float]]:
+    """A tenth's latencies: `rounds` rounds, one started every `gap_s` seconds, each one call of the
+    aggregate, count(*), version_stats, status and the host's fixed work (and the status CLI in the
+    first round only: its Python start-up would dominate more). Calls at one moment all meet the same
+    state of the compactor (a level merge runs for up to ~20 s), so a tenth's figure is the median of
+    calls spread over ~half a minute; the trainer is told (the `measuring` file) while a round runs.
+    Returns each measure's seconds (a failed call is recorded in `errors` and left out)."""
+    fns = [aggregate, count, stats, status, host]
+    out: dict[str, list[float]] = {fn.__name__: [] for fn in [*fns, status_cli]}
+    for r in range(rounds):
+        t_next = time.monotonic() + gap_s
+        (ctl / "measuring").touch()
+        try:
+            for fn in fns + ([status_cli] if r == 0 else []):
+                t = measured(fn, run, errors)
+                if t is not None:
+                    out[fn.__name__].append(t)
+        finally:
+            (ctl / "measuring").unlink()
+        if r < rounds - 1:
+            time.sleep(max(0.0, t_next - time.monotonic()))
+    return out
+
+
+def median(xs: list[float]) -> float | None:
+    return float(np.median(xs)) if xs else None
+
+
+def least(xs: list[float]) -> float | None:
+    return min(xs) if xs else None
+
+
+def ms(seconds: float | None) -> float | None:
+    return rnd(None if seconds is None else seconds * 1e3, 1)
 
 
 def live_files(run: Path) -> dict:
@@ -650,25 +691,20 @@ def synthetic(base: Path, args, state: dict) -> dict:
         rss = {"writer_rss_mb": rss_mib(writer.pid), "sampler_rss_mb": rss_mib(trainer.pid),
                "compactor_rss_mb": rss_mib(compactor.pid)}
         files = live_files(run)
-        (ctl / "measuring").touch()
-        try:
-            agg = measured(aggregate, run, errors)
-            cnt = measured(count, run, errors)
-            vs = measured(stats, run, errors)
-            st = measured(status, run, errors)
-            st_cli = measured(status_cli, run, errors, repeat=False)
-        finally:
-            (ctl / "measuring").unlink()
+        took = measure_rounds(run, ctl, errors, args.rounds, args.round_gap)
+        agg, cnt, vs, st, st_cli, host = (took[key] for key in ("aggregate", "count", "stats", "status",
+                                                                  "status_cli", "host"))
         row = {"decile": k, "steps": d["steps"], "groups": w.get("groups"), "trainable_groups": w.get("trainable"),
                "elapsed_s": round(time.time() - t_start, 1), "window_s": round(d["window_s"], 2),
-               "aggregate_ms": rnd(None if agg is None else agg * 1e3, 1),
-               "count_ms": rnd(None if cnt is None else cnt * 1e3, 1),
-               "stats_ms": rnd(None if vs is None else vs * 1e3, 1), "pull_p50_ms": rnd(d["pull_p50_ms"]),
+               "aggregate_ms": ms(median(agg)), "aggregate_ms_min": ms(least(agg)),
+               "count_ms": ms(median(cnt)), "stats_ms": ms(median(vs)), "stats_ms_min": ms(least(vs)),
+               "host_ms": ms(median(host)), "pull_p50_ms": rnd(d["pull_p50_ms"]),
                "pull_p99_ms": rnd(d["pull_p99_ms"]), "pull_p50_all_ms": rnd(d["pull_p50_all_ms"]),
                "pull_p99_all_ms": rnd(d["pull_p99_all_ms"]), "quiet_pulls": d["quiet_pulls"],
                "pull_max_ms": rnd(d["pull_max_ms"]),
                "pull_mean_ms": rnd(d["pull_mean_ms"]), "none_pulls": d["none_pulls"],
-               "none_pull_s": rnd(d["none_pull_s"], 2), "status_s": rnd(st), "status_cli_s": rnd(st_cli),
+               "none_pull_s": rnd(d["none_pull_s"], 2), "status_s": rnd(median(st)), "status_s_min": rnd(least(st)),
+               "status_s_spread": " ".join(f"{t:.3f}" for t in st), "status_cli_s": rnd(median(st_cli)),
                **files, **{key: rnd(v, 1) for key, v in rss.items()},
                "writer_blocked_s": rnd(w.get("blocked_s"), 1), "index_groups": d["index_groups"],
                "index_relists": d.get("index_relists"),
@@ -678,7 +714,8 @@ def synthetic(base: Path, args, state: dict) -> dict:
         log(f"  {k * 10:3d}%: step {row['steps']:,}, {row['groups'] or 0:,} groups, {row['window_s']:.1f} s "
             f"this tenth | aggregate {row['aggregate_ms']} ms (count {row['count_ms']} ms, version_stats "
             f"{row['stats_ms']} ms), pull p50 {row['pull_p50_ms']:.1f} / p99 "
-            f"{row['pull_p99_ms']:.1f} ms, status {row['status_s']} s (CLI {row['status_cli_s']} s) | "
+            f"{row['pull_p99_ms']:.1f} ms, status {row['status_s']} s [{row['status_s_spread']}] (CLI "
+            f"{row['status_cli_s']} s), host {row['host_ms']} ms | "
             f"files {row['live_files']} ({row['live_shards']} shards, {row['ledger_files']} ledger) | RSS MiB "
             f"writer {row['writer_rss_mb']}, sampler {row['sampler_rss_mb']}, compactor {row['compactor_rss_mb']}")
     # The writer and trainer went on past the last tenth, so that it was measured under the same load
@@ -734,6 +771,10 @@ def summarize_synthetic(rows, inv, w, tr, comp, seconds, csv_path) -> dict:
         "pull_p99_ms_first": first["pull_p99_ms"], "pull_p99_ms_last": last["pull_p99_ms"],
         "pull_p99_all_ms_first": first["pull_p99_all_ms"], "pull_p99_all_ms_last": last["pull_p99_all_ms"],
         "status_s_first": first["status_s"], "status_s_last": last["status_s"],
+        "status_s_min_first": first["status_s_min"], "status_s_min_last": last["status_s_min"],
+        "aggregate_ms_min_first": first["aggregate_ms_min"], "aggregate_ms_min_last": last["aggregate_ms_min"],
+        "stats_ms_min_first": first["stats_ms_min"], "stats_ms_min_last": last["stats_ms_min"],
+        "host_ms_first": first["host_ms"], "host_ms_last": last["host_ms"],
         "status_cli_s_first": first["status_cli_s"], "status_cli_s_last": last["status_cli_s"],
         "live_files_max": max(r["live_files"] for r in rows), "live_files_last": last["live_files"],
         "live_shards_last": last["live_shards"], "ledger_files_last": last["ledger_files"],
@@ -752,6 +793,10 @@ def summarize_synthetic(rows, inv, w, tr, comp, seconds, csv_path) -> dict:
         "pull_p50_ratio": ratio(out["pull_p50_ms_last"], out["pull_p50_ms_first"]),
         "pull_p99_ratio": ratio(out["pull_p99_ms_last"], out["pull_p99_ms_first"]),
         "status_ratio": ratio(out["status_s_last"], out["status_s_first"]),
+        "status_min_ratio": ratio(out["status_s_min_last"], out["status_s_min_first"]),
+        "aggregate_min_ratio": ratio(out["aggregate_ms_min_last"], out["aggregate_ms_min_first"]),
+        "stats_min_ratio": ratio(out["stats_ms_min_last"], out["stats_ms_min_first"]),
+        "host_ratio": ratio(out["host_ms_last"], out["host_ms_first"]),
         "writer_rss_ratio": ratio(out["writer_rss_mb_last"], out["writer_rss_mb_first"]),
         "sampler_rss_ratio": ratio(out["sampler_rss_mb_last"], out["sampler_rss_mb_first"]),
     })
@@ -1054,6 +1099,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=1_000_000,
                     help="trainable (non-filtered) groups of the synthetic part; filtered ones come on top")
     ap.add_argument("--steps", type=int, default=100_000, help="trainer steps of the synthetic part")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="synthetic part: measurement rounds at each tenth (their median is the figure)")
+    ap.add_argument("--round-gap", type=float, default=ROUND_GAP_S, metavar="SECONDS",
+                    help="synthetic part: seconds from one measurement round's start to the next")
     ap.add_argument("--no-synthetic", action="store_true",
                     help="skip the synthetic part (run the real part alone, e.g. beside a separate synthetic run)")
     ap.add_argument("--out", default=str(REPO / "docs" / "soak"), help="where the CSVs and the plot go")
@@ -1089,6 +1138,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"need --steps >= {DECILES} and --groups >= --steps (groups per step = groups // steps)")
     if args.minutes < 0:
         ap.error("--minutes must be >= 0")
+    if args.rounds < 1 or args.round_gap < 0:
+        ap.error(f"need --rounds >= 1 and --round-gap >= 0 (got {args.rounds} and {args.round_gap})")
     args.out = Path(args.out).absolute()
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
