@@ -9,8 +9,9 @@ before) are read by one DuckDB scan of each group's first row (sample_index =
 (group version, use index) in merged ledger files' footers, and by one scan of
 the rest (each pull's own small file, a resume's cut file). Every group of a version has the same state but for filtered
 and consumed, so these sums give every state: the states come from the
-function the sampler uses (`buffer.index.group_states`), applied to the
-summed rows, so status and sampling cannot disagree.
+function the sampler uses (`buffer.index.group_states`), applied per version
+to each kind of group (not filtered and not used up, used up, filtered), so
+status and sampling cannot disagree.
 
 Each file's rows must add up to its groups' sizes; if they do not (a partial
 group, or one split over files), or a file cannot be read, status falls back
@@ -60,21 +61,43 @@ USING (group_id) GROUP BY 1
 
 
 @dataclass(frozen=True)
-class _Rows:
-    """Groups of a buffer as rows of shape (N,) each: one group per row (the careful path) or a sum of
-    groups of one version and state (the fast path), with the shards left out (name -> reason).
+class _Sums:
+    """The fast path's sums per version, for the V versions that hold a group (ascending): groups (R, V) per
+    filter reason code (row 0: not filtered), and of those not filtered, consumed (V,) (used up: reuse
+    times); completions (V,) and reward_sum (V,) of all the version's groups."""
 
-    weight: groups in the row; completions, reward_sum: their completions and the sum of their rewards.
-    """
+    version: np.ndarray
+    groups: np.ndarray
+    consumed: np.ndarray
+    completions: np.ndarray
+    reward_sum: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The careful path's groups (a GroupIndex's), each array of shape (N,), with the shards left out
+    (name -> reason)."""
 
     version: np.ndarray
     reason: np.ndarray
     use_count: np.ndarray
     available: np.ndarray
-    weight: np.ndarray
-    completions: np.ndarray
+    size: np.ndarray
     reward_sum: np.ndarray
     unreadable: dict[str, str]
+
+
+@dataclass(frozen=True)
+class _Tally:
+    """A buffer's groups per version and state, for the V versions that hold a group (ascending):
+    states (V, len(STATE_NAMES)); completions (V,) and reward_sum (V,); reasons: groups per filter reason
+    code, shape (len(FILTER_REASONS) + 1,)."""
+
+    version: np.ndarray
+    states: np.ndarray
+    completions: np.ndarray
+    reward_sum: np.ndarray
+    reasons: np.ndarray
 
 
 def _ledger_summaries(ledger: list[Path]) -> tuple[dict[str, np.ndarray], list[Path]] | None:
@@ -98,8 +121,9 @@ _LEDGER_DTYPES = dict(zip(LEDGER_SUMMARY, (np.int64, np.int64, np.int64)))
 
 
 def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
-              floor: int | None = None) -> _Rows | None:
-    """Summed rows; None if a file fails or a group is partial.
+              floor: int | None = None) -> _Sums | None:
+    """The footers' cells and the ledger's records summed per version; None if a file fails or a group is
+    partial.
 
     floor: the retention bound (buffer.retention.read_floor): versions below it are counted by id.
     """
@@ -137,60 +161,80 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
     finally:
         con.close()
     reason = buffer.reason_codes(table.column("filter_reason"), table.column("filtered").to_numpy())
-    version, reason, (weight, completions, reward_sum) = _per_version_and_reason(
-        table.column("version").to_numpy(), reason,   # int64: shard_table casts to shard_types()
-        [table.column(k).to_numpy() for k in ("groups", "completions", "reward_sum")])
-    keep = weight > 0
-    if not keep.all():
-        version, reason, weight, completions, reward_sum = (a[keep] for a in (version, reason, weight,
-                                                                              completions, reward_sum))
-    if len(used_v):
-        uv, _, (un,) = _per_version_and_reason(used_v, np.zeros(len(used_v), np.int8), [used_n])
-        at = np.minimum(np.searchsorted(uv, version), len(uv) - 1)
-        used = np.where(uv[at] == version, un[at], 0)
-    else:
-        used = 0
-    consumed = np.where(reason == 0, np.minimum(used, weight), 0)   # one learnable cell per version
-    # Each cell's groups not used up, with its completions and rewards, then (where some are) those used up
-    # (consumed): rows in version order, no row of zeros.
-    twice = consumed > 0
-    at = np.repeat(np.arange(len(version)), 1 + twice)
-    second = np.zeros(len(at), np.bool_)
-    second[1:] = at[1:] == at[:-1]
-    first = ~second
-    rest = weight - consumed
-    return _Rows(version[at], reason[at], np.where(second, reuse, 0), np.ones(len(at), np.bool_),
-                 np.where(second, consumed[at], rest[at]), np.where(first, completions[at], 0),
-                 np.where(first, reward_sum[at], 0.0), {})
+    return _per_version(table.column("version").to_numpy(), reason,   # int64: shard_table casts it
+                        *(table.column(k).to_numpy() for k in ("groups", "completions", "reward_sum")),
+                        used_v, used_n)
 
 
-def _per_version_and_reason(version: np.ndarray, reason: np.ndarray, sums: list[np.ndarray]):
-    """Cells summed per (version, reason code): (versions, reasons, [sum of each of `sums`, in its dtype]),
-    each of shape (K,), ascending by version then reason.
+def _per_version(version: np.ndarray, reason: np.ndarray, groups: np.ndarray, completions: np.ndarray,
+                 reward_sum: np.ndarray, used_v: np.ndarray, used_n: np.ndarray) -> _Sums:
+    """The cells (each of shape (C,): per file, version and filter reason code) summed per version, with
+    the ledger's records that used a group up (used_n of shape (U,), per group version used_v): a version's
+    consumed groups are its records, at most its groups not filtered (fewer only where groups are gone).
 
-    The cells come from the files nearly in version order, so a stable argsort of their keys is cheap
-    (1.2 ms for the 226,000 cells of the synthetic soak's final buffer, 100,000 versions; the whole sum
-    12 ms) and leaves the rows sorted, which spares range_width and version_ranges a sort each.
-    """
+    Versions run nearly without gaps (one per trainer step), so a version's place is its offset from the
+    lowest and the sums are bincounts over that span (the 231,000 cells of a 100,000-version soak buffer in
+    a few ms, where sorting them cost ~50 ms); a buffer whose versions are sparser than that is indexed by
+    unique() instead."""
     codes = len(buffer.FILTER_REASONS) + 1
     if not len(version):
-        return version, reason.astype(np.int8), [w[:0] for w in sums]
-    lo = int(version.min())
-    key = (version - lo) * codes + reason
-    order = np.argsort(key, kind="stable")
-    key = key[order]
-    starts = np.flatnonzero(_run_starts(key))
-    key = key[starts]
-    return lo + key // codes, (key % codes).astype(np.int8), [np.add.reduceat(w[order], starts) for w in sums]
+        version = np.zeros(0, np.int64)
+        lo, span = 0, 0
+    else:
+        lo, hi = int(version.min()), int(version.max())
+        span = hi - lo + 1
+    if span <= 2 * len(version) + 1024:
+        versions, at = lo + np.arange(span, dtype=np.int64), version - lo
+        known = (used_v >= lo) & (used_v < lo + span)
+        used = _sums(used_v[known] - lo, used_n[known], span)
+    else:
+        versions, at = np.unique(version, return_inverse=True)
+        span = len(versions)
+        where = np.minimum(np.searchsorted(versions, used_v), span - 1)
+        known = versions[where] == used_v
+        used = _sums(where[known], used_n[known], span)
+    per_reason = _sums(reason.astype(np.int64) * span + at, groups, codes * span).reshape(codes, span)
+    present = per_reason.any(axis=0)
+    sums = _Sums(versions, per_reason, np.minimum(used, per_reason[0]), _sums(at, completions, span),
+                 np.bincount(at, weights=reward_sum, minlength=span))
+    if present.all():
+        return sums
+    return _Sums(sums.version[present], sums.groups[:, present], sums.consumed[present],
+                 sums.completions[present], sums.reward_sum[present])
 
 
-def _read_index(root: Path) -> _Rows:
+def _read_index(root: Path) -> _Groups:
     """The careful path: a buffer.GroupIndex checks every shard and skips (does not move) bad ones."""
     index = buffer.GroupIndex(root, quarantine=False)
     size = index.group_size.view.astype(np.int64)
-    rows = _Rows(index.version.view, index.reason.view, index.use_count.view, index.available.view,
-                 np.ones(len(size), np.int64), size, index.reward_mean.view * size, dict(index.unreadable))
-    return rows
+    return _Groups(index.version.view, index.reason.view, index.use_count.view, index.available.view, size,
+                   index.reward_mean.view * size, dict(index.unreadable))
+
+
+def _tally(g: _Sums | _Groups, trainer_version: int, max_staleness: int | None, reuse: int) -> _Tally:
+    """Groups per version and state. The states come from the function the sampler uses
+    (`buffer.group_states`): per group on the careful path; on the fast path per version for each of its
+    three kinds of groups (not filtered and not used up, used up, filtered), whose states differ only
+    by version."""
+    names = buffer.STATE_NAMES
+    codes = len(buffer.FILTER_REASONS) + 1
+    if isinstance(g, _Groups):
+        versions, at = np.unique(g.version, return_inverse=True)
+        states = buffer.group_states(g.version, g.reason, g.use_count, g.available, trainer_version,
+                                     max_staleness, reuse)
+        n = len(versions)
+        return _Tally(versions, _sums(at * len(names) + states, None, n * len(names)).reshape(n, len(names)),
+                      _sums(at, g.size, n), np.bincount(at, weights=g.reward_sum, minlength=n),
+                      _sums(g.reason.astype(np.int64), None, codes))
+    v = g.version
+    table = np.zeros((len(v), len(names)), np.int64)
+    rows = np.arange(len(v))
+    zero, one = np.zeros(len(v), np.int8), np.ones(len(v), np.bool_)
+    for reason, used, groups in ((zero, 0, g.groups[0] - g.consumed), (zero, reuse, g.consumed),
+                                 (zero + 1, 0, g.groups[1:].sum(axis=0))):
+        state = buffer.group_states(v, reason, np.full(len(v), used), one, trainer_version, max_staleness, reuse)
+        table[rows, state] += groups   # one cell a row: no index repeats
+    return _Tally(v, table, g.completions, g.reward_sum, g.groups.sum(axis=1))
 
 
 def range_width(versions: np.ndarray, max_rows: int) -> int:
@@ -198,7 +242,7 @@ def range_width(versions: np.ndarray, max_rows: int) -> int:
     ranges [k*w, (k+1)*w) hold one of `versions`."""
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    present, _ = _runs(versions)   # sorted, so each width's ranges are counted by its steps, not a sort
+    present = versions if _ascending(versions) else np.unique(versions)   # each width's ranges: its steps
     for power in itertools.count():
         for mantissa in (1, 2, 5):
             width = mantissa * 10 ** power
@@ -207,73 +251,53 @@ def range_width(versions: np.ndarray, max_rows: int) -> int:
                 return width
 
 
-def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct keys, ascending; each key's index among them), shapes (K,) and (N,), of keys of shape
-    (N,): from where they change when they ascend, as the fast path's rows do, else by unique() (which
-    took 17 ms on 452,000 sorted rows of a 100,000-version buffer, this about 3 ms)."""
-    if len(keys) > 1 and not (keys[1:] >= keys[:-1]).all():
-        return np.unique(keys, return_inverse=True)
-    new = _run_starts(keys)
-    return keys[new], np.cumsum(new) - 1
+def _ascending(keys: np.ndarray) -> bool:
+    return len(keys) < 2 or bool((keys[1:] >= keys[:-1]).all())
 
 
-def _run_starts(keys: np.ndarray) -> np.ndarray:
-    """Whether each of `keys` (ascending, shape (N,)) starts a run of equal keys, shape (N,)."""
-    new = np.ones(len(keys), np.bool_)
-    np.not_equal(keys[1:], keys[:-1], out=new[1:])
-    return new
-
-
-def _sums(at: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
-    """Integer sums of `weights` per key `at` in [0, n)."""
+def _sums(at: np.ndarray, weights: np.ndarray | None, n: int) -> np.ndarray:
+    """Integer sums of `weights` (None: ones) per key `at` in [0, n)."""
+    if weights is None:
+        return np.bincount(at, minlength=n).astype(np.int64)
     return np.rint(np.bincount(at, weights=weights, minlength=n)).astype(np.int64)
 
 
-def weighted_counts(g: _Rows, states: np.ndarray, *, by_version: bool) -> dict:
+def weighted_counts(t: _Tally, *, by_version: bool) -> dict:
     """Groups per state, filtered per reason, admitted, and (by_version) states per version (nonzero only)."""
     names = buffer.STATE_NAMES
-    per_state = _sums(states, g.weight, len(names))
-    reasons = _sums(g.reason.astype(np.int64), g.weight, len(buffer.FILTER_REASONS) + 1)
-    out = {"groups": int(g.weight.sum()), **{name: int(per_state[i]) for i, name in enumerate(names)}}
-    out["filtered_by_reason"] = {r: int(reasons[i + 1]) for i, r in enumerate(buffer.FILTER_REASONS)}
+    per_state = t.states.sum(axis=0)
+    out = {"groups": int(per_state.sum()), **{name: int(per_state[i]) for i, name in enumerate(names)}}
+    out["filtered_by_reason"] = {r: int(t.reasons[i + 1]) for i, r in enumerate(buffer.FILTER_REASONS)}
     out["admitted"] = out["groups"] - out["filtered"]
     if by_version:
-        versions, at = _runs(g.version)
-        table = _sums(at * len(names) + states, g.weight, len(versions) * len(names)).reshape(len(versions), -1)
         out["by_version"] = {int(v): {name: int(row[i]) for i, name in enumerate(names) if row[i]}
-                             for v, row in zip(versions, table)}
+                             for v, row in zip(t.version, t.states)}
     return out
 
 
-def version_ranges(g: _Rows, states: np.ndarray, width: int) -> list[dict]:
+def version_ranges(t: _Tally, width: int) -> list[dict]:
     """One row per range of `width` versions holding a group, lowest first.
 
     first/last: lowest and highest version present in the range; groups, completions and
     each state: summed over the range; reward_mean: sum of rewards / completions over every
     completion of the range (groups weighted by their size); filtered_share: filtered / groups.
     """
-    present = (g.weight > 0) | (g.completions > 0)   # a row of consumed groups has weight, its twin the sums
-    version, weight, completions, reward_sum = g.version, g.weight, g.completions, g.reward_sum
-    if not present.all():
-        version, weight, completions, reward_sum, states = (a[present] for a in (version, weight, completions,
-                                                                                 reward_sum, states))
-    keys, at = _runs(version // width)                                                    # (R,), (N,)
-    n = len(keys)
-    groups = _sums(at, weight, n)
-    completions = _sums(at, completions, n)
-    reward_sum = np.bincount(at, weights=reward_sum, minlength=n)
-    first = np.full(n, np.iinfo(np.int64).max)
-    np.minimum.at(first, at, version)
-    last = np.full(n, np.iinfo(np.int64).min)
-    np.maximum.at(last, at, version)
+    if not len(t.version):
+        return []
+    keys = t.version // width
+    first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])                        # (R,): a range's first
+    last = np.r_[first[1:] - 1, len(keys) - 1]
+    per_state = np.add.reduceat(t.states, first, axis=0)                               # (R, states)
+    completions = np.add.reduceat(t.completions, first)
+    reward_sum = np.add.reduceat(t.reward_sum, first)
     names = buffer.STATE_NAMES
-    per_state = _sums(at * len(names) + states, weight, n * len(names)).reshape(n, len(names))
     filtered = names.index("filtered")
-    return [{"first": int(first[r]), "last": int(last[r]), "groups": int(groups[r]),
+    groups = per_state.sum(axis=1)
+    return [{"first": int(t.version[first[r]]), "last": int(t.version[last[r]]), "groups": int(groups[r]),
              "completions": int(completions[r]), "reward_mean": float(reward_sum[r] / completions[r]),
              "filtered_share": float(per_state[r, filtered] / groups[r]),
              **{name: int(per_state[r, i]) for i, name in enumerate(names)}}
-            for r in range(n)]
+            for r in range(len(first))]
 
 
 def buffer_status(path: str | os.PathLike, *, trainer_version: int | None = None,
@@ -293,9 +317,9 @@ def buffer_status(path: str | os.PathLike, *, trainer_version: int | None = None
     t = trainer_version
     if t is None:
         t = newest if newest is not None else int(g.version.max()) if len(g.version) else 0
-    states = buffer.group_states(g.version, g.reason, g.use_count, g.available, t, max_staleness, reuse)
-    counts = weighted_counts(g, states, by_version=max_ranges is None)
-    width = 1 if max_ranges is None else range_width(g.version[g.weight > 0], max_ranges)
+    tally = _tally(g, t, max_staleness, reuse)
+    counts = weighted_counts(tally, by_version=max_ranges is None)
+    width = 1 if max_ranges is None else range_width(tally.version, max_ranges)
 
     def size(paths):
         total = 0
@@ -308,20 +332,21 @@ def buffer_status(path: str | os.PathLike, *, trainer_version: int | None = None
 
     quarantined = d.quarantined()
     archived = archived_shards(root)   # a listing and a stat each: the archive is not read
+    unreadable = g.unreadable if isinstance(g, _Groups) else {}
     return {
         "buffer": str(root),
         "trainer_version": t,
         "max_staleness": max_staleness,
         "reuse": reuse,
         **counts,
-        "completions": int(g.completions.sum()),
+        "completions": int(tally.completions.sum()),
         "version_range_width": width,
-        "version_ranges": version_ranges(g, states, width),
+        "version_ranges": version_ranges(tally, width),
         "files": {"shards": len(shards), "shard_bytes": size(shards),
                   "ledger": len(ledger), "ledger_bytes": size(ledger),
-                  "quarantined": len(quarantined), "unreadable_now": len(g.unreadable)},
+                  "quarantined": len(quarantined), "unreadable_now": len(unreadable)},
         "archive": {"files": len(archived), "bytes": size(archived)},
-        "unreadable": g.unreadable,
+        "unreadable": unreadable,
         "quarantined": quarantined,
     }
 
