@@ -62,15 +62,18 @@ USING (group_id) GROUP BY 1
 
 @dataclass(frozen=True)
 class _Sums:
-    """The fast path's sums per version, for the V versions that hold a group (ascending): groups (R, V) per
-    filter reason code (row 0: not filtered), and of those not filtered, consumed (V,) (used up: reuse
-    times); completions (V,) and reward_sum (V,) of all the version's groups."""
+    """The fast path's sums per version, for the V versions that hold a group (ascending), each of shape
+    (V,): groups, those of them not filtered (learnable) and of those the ones used up (consumed: used
+    reuse times), completions and reward_sum of all the version's groups; and reasons: groups per filter
+    reason code (0: not filtered), shape (len(FILTER_REASONS) + 1,)."""
 
     version: np.ndarray
     groups: np.ndarray
+    learnable: np.ndarray
     consumed: np.ndarray
     completions: np.ndarray
     reward_sum: np.ndarray
+    reasons: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -89,15 +92,26 @@ class _Groups:
 
 @dataclass(frozen=True)
 class _Tally:
-    """A buffer's groups per version and state, for the V versions that hold a group (ascending):
-    states (V, len(STATE_NAMES)); completions (V,) and reward_sum (V,); reasons: groups per filter reason
-    code, shape (len(FILTER_REASONS) + 1,)."""
+    """A buffer's groups per version and state, for the V versions that hold a group (ascending), as
+    layers: each (at, state, groups), shapes (M,), of M rows of groups in one state at version index `at`
+    (None: M = V, row i at version i; groups None: one each); completions (V,) and reward_sum (V,);
+    reasons: groups per filter reason code, shape (len(FILTER_REASONS) + 1,)."""
 
     version: np.ndarray
-    states: np.ndarray
+    layers: list[tuple[np.ndarray | None, np.ndarray, np.ndarray | None]]
     completions: np.ndarray
     reward_sum: np.ndarray
     reasons: np.ndarray
+
+    def per_state(self, key: np.ndarray | None = None, n: int = 1) -> np.ndarray:
+        """Groups per (key of the version, state), shape (n, len(STATE_NAMES)); key: shape (V,) in [0, n),
+        None: all in one."""
+        names = len(buffer.STATE_NAMES)
+        out = np.zeros(n * names, np.int64)
+        for at, state, groups in self.layers:
+            k = state if key is None else (key if at is None else key[at]) * names + state
+            out += _sums(k, groups, n * names)
+        return out.reshape(n, names)
 
 
 def _ledger_summaries(ledger: list[Path]) -> tuple[dict[str, np.ndarray], list[Path]] | None:
@@ -170,19 +184,15 @@ def _per_version(version: np.ndarray, reason: np.ndarray, groups: np.ndarray, co
                  reward_sum: np.ndarray, used_v: np.ndarray, used_n: np.ndarray) -> _Sums:
     """The cells (each of shape (C,): per file, version and filter reason code) summed per version, with
     the ledger's records that used a group up (used_n of shape (U,), per group version used_v): a version's
-    consumed groups are its records, at most its groups not filtered (fewer only where groups are gone).
+    consumed groups are its records, at most its learnable groups (fewer only where groups are gone).
 
     Versions run nearly without gaps (one per trainer step), so a version's place is its offset from the
     lowest and the sums are bincounts over that span (the 231,000 cells of a 100,000-version soak buffer in
-    a few ms, where sorting them cost ~50 ms); a buffer whose versions are sparser than that is indexed by
-    unique() instead."""
+    ~12 ms, where sorting them and doubling them into rows cost ~50 ms); a buffer whose versions are
+    sparser than that is indexed by unique() instead."""
     codes = len(buffer.FILTER_REASONS) + 1
-    if not len(version):
-        version = np.zeros(0, np.int64)
-        lo, span = 0, 0
-    else:
-        lo, hi = int(version.min()), int(version.max())
-        span = hi - lo + 1
+    lo = int(version.min()) if len(version) else 0
+    span = int(version.max()) - lo + 1 if len(version) else 0
     if span <= 2 * len(version) + 1024:
         versions, at = lo + np.arange(span, dtype=np.int64), version - lo
         known = (used_v >= lo) & (used_v < lo + span)
@@ -193,14 +203,17 @@ def _per_version(version: np.ndarray, reason: np.ndarray, groups: np.ndarray, co
         where = np.minimum(np.searchsorted(versions, used_v), span - 1)
         known = versions[where] == used_v
         used = _sums(where[known], used_n[known], span)
-    per_reason = _sums(reason.astype(np.int64) * span + at, groups, codes * span).reshape(codes, span)
-    present = per_reason.any(axis=0)
-    sums = _Sums(versions, per_reason, np.minimum(used, per_reason[0]), _sums(at, completions, span),
-                 np.bincount(at, weights=reward_sum, minlength=span))
+    total = _sums(at, groups, span)
+    learnable = _sums(at, np.where(reason == 0, groups, 0), span)
+    np.minimum(used, learnable, out=used)
+    present = total > 0
+    sums = _Sums(versions, total, learnable, used, _sums(at, completions, span),
+                 np.bincount(at, weights=reward_sum, minlength=span),
+                 _sums(reason.astype(np.intp), groups, codes))
     if present.all():
         return sums
-    return _Sums(sums.version[present], sums.groups[:, present], sums.consumed[present],
-                 sums.completions[present], sums.reward_sum[present])
+    return _Sums(*(a[present] for a in (versions, total, learnable, used, sums.completions, sums.reward_sum)),
+                 sums.reasons)
 
 
 def _read_index(root: Path) -> _Groups:
@@ -214,27 +227,24 @@ def _read_index(root: Path) -> _Groups:
 def _tally(g: _Sums | _Groups, trainer_version: int, max_staleness: int | None, reuse: int) -> _Tally:
     """Groups per version and state. The states come from the function the sampler uses
     (`buffer.group_states`): per group on the careful path; on the fast path per version for each of its
-    three kinds of groups (not filtered and not used up, used up, filtered), whose states differ only
-    by version."""
-    names = buffer.STATE_NAMES
+    three kinds of groups (learnable and not used up, used up, filtered), whose states differ only by
+    version."""
     codes = len(buffer.FILTER_REASONS) + 1
     if isinstance(g, _Groups):
         versions, at = np.unique(g.version, return_inverse=True)
         states = buffer.group_states(g.version, g.reason, g.use_count, g.available, trainer_version,
                                      max_staleness, reuse)
         n = len(versions)
-        return _Tally(versions, _sums(at * len(names) + states, None, n * len(names)).reshape(n, len(names)),
-                      _sums(at, g.size, n), np.bincount(at, weights=g.reward_sum, minlength=n),
-                      _sums(g.reason.astype(np.int64), None, codes))
-    v = g.version
-    table = np.zeros((len(v), len(names)), np.int64)
-    rows = np.arange(len(v))
-    zero, one = np.zeros(len(v), np.int8), np.ones(len(v), np.bool_)
-    for reason, used, groups in ((zero, 0, g.groups[0] - g.consumed), (zero, reuse, g.consumed),
-                                 (zero + 1, 0, g.groups[1:].sum(axis=0))):
-        state = buffer.group_states(v, reason, np.full(len(v), used), one, trainer_version, max_staleness, reuse)
-        table[rows, state] += groups   # one cell a row: no index repeats
-    return _Tally(v, table, g.completions, g.reward_sum, g.groups.sum(axis=1))
+        return _Tally(versions, [(at, states, None)], _sums(at, g.size, n),
+                      np.bincount(at, weights=g.reward_sum, minlength=n), _sums(g.reason.astype(np.intp), None, codes))
+    v, n = g.version, len(g.version)
+    zero, one = np.zeros(n, np.int8), np.ones(n, np.bool_)
+    layers = []
+    for reason, used, groups in ((zero, 0, g.learnable - g.consumed), (zero, reuse, g.consumed),
+                                 (np.ones(n, np.int8), 0, g.groups - g.learnable)):
+        state = buffer.group_states(v, reason, np.full(n, used), one, trainer_version, max_staleness, reuse)
+        layers.append((None, state, groups))
+    return _Tally(v, layers, g.completions, g.reward_sum, g.reasons)
 
 
 def range_width(versions: np.ndarray, max_rows: int) -> int:
@@ -256,22 +266,22 @@ def _ascending(keys: np.ndarray) -> bool:
 
 
 def _sums(at: np.ndarray, weights: np.ndarray | None, n: int) -> np.ndarray:
-    """Integer sums of `weights` (None: ones) per key `at` in [0, n)."""
-    if weights is None:
-        return np.bincount(at, minlength=n).astype(np.int64)
-    return np.rint(np.bincount(at, weights=weights, minlength=n)).astype(np.int64)
+    """Sums of integer `weights` (None: ones) per key `at` in [0, n), shape (n,), int64 (bincount sums in
+    float64: exact below 2**53)."""
+    return np.bincount(at, weights=weights, minlength=n).astype(np.int64)
 
 
 def weighted_counts(t: _Tally, *, by_version: bool) -> dict:
     """Groups per state, filtered per reason, admitted, and (by_version) states per version (nonzero only)."""
     names = buffer.STATE_NAMES
-    per_state = t.states.sum(axis=0)
+    per_state = t.per_state()[0]
     out = {"groups": int(per_state.sum()), **{name: int(per_state[i]) for i, name in enumerate(names)}}
     out["filtered_by_reason"] = {r: int(t.reasons[i + 1]) for i, r in enumerate(buffer.FILTER_REASONS)}
     out["admitted"] = out["groups"] - out["filtered"]
     if by_version:
+        table = t.per_state(np.arange(len(t.version)), len(t.version))
         out["by_version"] = {int(v): {name: int(row[i]) for i, name in enumerate(names) if row[i]}
-                             for v, row in zip(t.version, t.states)}
+                             for v, row in zip(t.version, table)}
     return out
 
 
@@ -285,9 +295,10 @@ def version_ranges(t: _Tally, width: int) -> list[dict]:
     if not len(t.version):
         return []
     keys = t.version // width
-    first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])                        # (R,): a range's first
+    new = np.r_[True, keys[1:] != keys[:-1]]
+    first = np.flatnonzero(new)                                                # (R,): each range's first
     last = np.r_[first[1:] - 1, len(keys) - 1]
-    per_state = np.add.reduceat(t.states, first, axis=0)                               # (R, states)
+    per_state = t.per_state(np.cumsum(new) - 1, len(first))                    # (R, states)
     completions = np.add.reduceat(t.completions, first)
     reward_sum = np.add.reduceat(t.reward_sum, first)
     names = buffer.STATE_NAMES
