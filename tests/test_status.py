@@ -306,23 +306,26 @@ def test_version_stats_gives_the_sums_of_the_rows_from_the_footers(many_versions
     assert [r["file"] for r in db.query("SELECT file FROM quarantined").to_pylist()] == [bad.name]
 
 
-def test_a_version_over_several_shards_and_descending_files_is_counted_once_per_state(tmp_path):
+@pytest.mark.parametrize("scale", [1, 1000])
+def test_a_version_over_several_shards_and_descending_files_is_counted_once_per_state(tmp_path, scale):
     """The fast path sums the cells of a version that several shards hold (and shards written in any
     version order) before it matches the ledger's consumed records to its learnable groups: status gives
-    the index's counts, exactly, and each version's groups in one range row."""
+    the index's counts, exactly, and each version's groups in one range row. scale 1000 spreads the
+    versions (0 to 9,000 for 12 cells), past what the fast path indexes by offset: by unique()."""
     buf = tmp_path / "buffer"
-    versions = [5, 5, 5, 3, 3, 9, 5, 3, 9, 9, 0, 5]        # flushed 3 a shard: version 5 in three shards
+    versions = [v * scale for v in (5, 5, 5, 3, 3, 9, 5, 3, 9, 9, 0, 5)]   # 3 a shard: version 5 in three
     with ShardWriter(buf, flush_groups=3, flush_seconds=None) as w:
         for i, v in enumerate(versions):
             rewards = [1.0, 1.0] if i % 4 == 3 else [1.0, 0.0, 0.5]      # every 4th all equal: filtered
             w.append(make_group(v, rewards, prompt_id=f"p{i}", seed=i))
     with Sampler(buf) as s:
-        pulled = s.pull(5, trainer_version=9, trainer_step=1, max_staleness=None)
+        pulled = s.pull(5, trainer_version=9 * scale, trainer_step=1, max_staleness=None)
     assert pulled is not None and pulled.num_groups == 5
     for t, stale in ((9, None), (9, 4), (6, 1)):
+        t, stale = t * scale, None if stale is None else stale * scale
         st = buffer_status(buf, trainer_version=t, max_staleness=stale, max_ranges=None)
         counts = GroupIndex(buf, quarantine=False).counts(t, stale, 1, by_version=True)
         assert {k: st[k] for k in counts} == counts and st["unreadable"] == {}
         assert st["consumed"] == 5 and st["filtered"] == 3 and st["groups"] == 12
         rows = {r["first"]: (r["groups"], r["completions"]) for r in st["version_ranges"]}
-        assert rows == {0: (1, 3), 3: (3, 7), 5: (5, 14), 9: (3, 9)}
+        assert rows == {0: (1, 3), 3 * scale: (3, 7), 5 * scale: (5, 14), 9 * scale: (3, 9)}
