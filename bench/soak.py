@@ -51,7 +51,7 @@ their median (`*_min`: their least; `status_s_spread` in the CSV: every call).
 Calls at one moment all meet the same state of the daemons (a level merge runs
 for up to ~20 s beside three busy processes on two cores), so a median of calls
 at one moment swung 0.23-0.75 s from tenth to tenth; rounds spread over ~35 s
-of a ~250 s tenth sample several of the compactor's states. The buffer grows by
+of a 120-300 s tenth sample several of the compactor's states. The buffer grows by
 ~1% of the run while they are taken.
 
   aggregate_ms   wall time of `buffer.BufferSQL(run).query("SELECT version, avg(reward) AS reward
@@ -177,7 +177,7 @@ COUNT_SQL = "SELECT count(*) AS n FROM rollouts"
 LIVE_EVERY_S = 5.0           # real part: live files are counted this often (each minute: its peak and low)
 DECILES = 10
 ROUNDS = 5                   # synthetic part: measurement rounds at each tenth (measure_rounds) ...
-ROUND_GAP_S = 8.0            # ... one started this often: 5 spread over ~35 s of a ~250 s tenth
+ROUND_GAP_S = 8.0            # ... one started this often: 5 spread over ~35 s of a 120-300 s tenth
 
 
 class BenchError(Exception):
@@ -692,13 +692,13 @@ def synthetic(base: Path, args, state: dict) -> dict:
                "compactor_rss_mb": rss_mib(compactor.pid)}
         files = live_files(run)
         took = measure_rounds(run, ctl, errors, args.rounds, args.round_gap)
-        agg, cnt, vs, st, st_cli, host = (took[key] for key in ("aggregate", "count", "stats", "status",
-                                                                  "status_cli", "host"))
+        agg, cnt, vs, st, st_cli, cpu = (took[key] for key in ("aggregate", "count", "stats", "status",
+                                                                 "status_cli", "host"))
         row = {"decile": k, "steps": d["steps"], "groups": w.get("groups"), "trainable_groups": w.get("trainable"),
                "elapsed_s": round(time.time() - t_start, 1), "window_s": round(d["window_s"], 2),
                "aggregate_ms": ms(median(agg)), "aggregate_ms_min": ms(least(agg)),
                "count_ms": ms(median(cnt)), "stats_ms": ms(median(vs)), "stats_ms_min": ms(least(vs)),
-               "host_ms": ms(median(host)), "pull_p50_ms": rnd(d["pull_p50_ms"]),
+               "host_ms": ms(median(cpu)), "pull_p50_ms": rnd(d["pull_p50_ms"]),
                "pull_p99_ms": rnd(d["pull_p99_ms"]), "pull_p50_all_ms": rnd(d["pull_p50_all_ms"]),
                "pull_p99_all_ms": rnd(d["pull_p99_all_ms"]), "quiet_pulls": d["quiet_pulls"],
                "pull_max_ms": rnd(d["pull_max_ms"]),
