@@ -59,7 +59,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from buffer.fileset import SHARD_SUMMARY, SOURCES_KEY, SUMMARY_KEY, FileSet, pack_columns
+from buffer.fileset import SHARD_SUMMARY, SOURCES_KEY, SUMMARY_KEY, FileSet, block_summary, pack_columns
 from buffer.layout import BufferDir, atomic_file, ledger_range
 from buffer.store import RemotePath, StoreError, parquet_file, read_metadata
 from buffer.schema import parquet_write_options
@@ -240,7 +240,8 @@ def ledger_summary(t: pa.Table) -> dict:
     cells = pa.table({"group_version": agg.column("v"), "use_index": agg.column("u"),
                       "records": agg.column("v_count")}).sort_by([("group_version", "ascending"),
                                                                   ("use_index", "ascending")])
-    return {"rows": t.num_rows, "columns": pack_columns(cells)}
+    return {"rows": t.num_rows, "columns": pack_columns(cells),
+            **block_summary(cells, "group_version", ["use_index"], ["records"])}
 
 
 def compact_small(fs: FileSet, *, target_rows: int, min_age_s: float, grace_s: float, min_files: int = 2,
@@ -476,7 +477,8 @@ def _summary(firsts: list[pa.Table], cells: list[pa.Table], num_rows: int) -> di
     parts = cells + ([_summary_cells(firsts)] if firsts else [])
     out = parts[0] if len(parts) == 1 else _sum_cells(pa.concat_tables(parts))
     out = out.sort_by([("version", "ascending"), ("filtered", "ascending"), ("filter_reason", "ascending")])
-    return {"rows": num_rows, "columns": pack_columns(out)}
+    return {"rows": num_rows, "columns": pack_columns(out),
+            **block_summary(out, "version", ["filtered", "filter_reason"], list(SHARD_SUMMARY[3:]))}
 
 
 def _sum_cells(t: pa.Table) -> pa.Table:

@@ -72,6 +72,32 @@ def read_sources(meta: pq.FileMetaData) -> list[tuple[str, int]] | None:
 
 SHARD_SUMMARY = ("version", "filtered", "filter_reason", "groups", "completions", "reward_sum")
 LEDGER_SUMMARY = ("group_version", "use_index", "records")
+# A merged file's summary also sums its cells per block of SUMMARY_BLOCK versions (block = version //
+# SUMMARY_BLOCK), beside the per-version cells, with the file's first and last version: `status` reads
+# the blocks of a file whose versions are all old enough to share one state, so its cost does not grow
+# with the versions a long run piles up (buffer.stats.Blocks). The block cells' columns:
+SHARD_BLOCKS = ("block", "filtered", "filter_reason", "groups", "completions", "reward_sum", "first", "last")
+LEDGER_BLOCKS = ("block", "use_index", "records", "first", "last")
+SUMMARY_BLOCK = 1000
+
+
+def block_summary(cells: "pa.Table", version: str, keys: list[str], sums: list[str]) -> dict:
+    """The block part of a merged file's summary (see read_summary) from its per-version `cells`: the `sums`
+    columns summed per (block of the `version` column, *keys), with the block's first and last version
+    present, ordered by block and keys; and the file's first and last version."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    v = cells.column(version)
+    t = pa.table([pa.array(v.to_numpy() // SUMMARY_BLOCK), *(cells.column(k) for k in keys),
+                  *(cells.column(c) for c in sums), v, v], names=["block", *keys, *sums, "first", "last"])
+    agg = t.group_by(["block", *keys], use_threads=False).aggregate(
+        [(c, "sum") for c in sums] + [("first", "min"), ("last", "max")])
+    out = pa.table([agg.column(c) for c in ["block", *keys]] + [agg.column(f"{c}_sum") for c in sums]
+                   + [agg.column("first_min"), agg.column("last_max")], names=t.column_names)
+    out = out.sort_by([(c, "ascending") for c in ["block", *keys]])
+    return {"block": SUMMARY_BLOCK, "blocks": pack_columns(out),
+            "first": pc.min(v).as_py(), "last": pc.max(v).as_py()}
 
 
 def pack_columns(table: "pa.Table") -> str:
@@ -101,13 +127,13 @@ def summary_columns(summary: dict, names: tuple[str, ...]) -> dict[str, "np.ndar
             for i, n in enumerate(names)}
 
 
-def summary_table(summary: dict, names: tuple[str, ...]) -> "pa.Table":
+def summary_table(summary: dict, names: tuple[str, ...], key: str = "columns") -> "pa.Table":
     """A summary's cells as an Arrow table of the columns `names` (no conversion of its strings to Python
-    objects: a merged file's summary holds a row per version and state)."""
+    objects: a merged file's summary holds a row per version and state); key "blocks": its block cells."""
     import pyarrow as pa
 
-    if "columns" in summary:
-        return pa.ipc.open_stream(base64.b64decode(summary["columns"])).read_all().select(list(names))
+    if key in summary:
+        return pa.ipc.open_stream(base64.b64decode(summary[key])).read_all().select(list(names))
     cells = summary["cells"]
     return pa.table({n: [c[i] for c in cells] for i, n in enumerate(names)})
 
@@ -117,7 +143,9 @@ def read_summary(meta: pq.FileMetaData) -> dict | None:
     writer's shard: few) or "columns": pack_columns(...) (a merged file)}, the cells being a rollout
     shard's groups per (version, filter flag and reason), SHARD_SUMMARY (filter_reason '' when none), or
     a merged ledger file's records per (group version, use index), LEDGER_SUMMARY; read them with
-    summary_columns."""
+    summary_columns. A merged file's summary also has "block" (SUMMARY_BLOCK), "blocks" (the cells summed
+    per block of versions, SHARD_BLOCKS or LEDGER_BLOCKS, packed) and "first" and "last" (its lowest and
+    highest version); one written before them has none of these."""
     raw = (meta.metadata or {}).get(SUMMARY_KEY)
     return None if raw is None else json.loads(raw)
 

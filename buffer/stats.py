@@ -11,11 +11,13 @@ cost a footer read per file rather than a scan of every row.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from buffer.fileset import SHARD_SUMMARY, read_summary, summary_columns, summary_table
+from buffer.fileset import (LEDGER_BLOCKS, LEDGER_SUMMARY, SHARD_BLOCKS, SHARD_SUMMARY, SUMMARY_BLOCK,
+                            read_summary, summary_columns, summary_table)
 from buffer.store import StoreError, read_metadata
 
 FOOTER_THREADS = 8
@@ -37,11 +39,30 @@ class Unreadable(Exception):
     """A footer could not be read: the file is gone (merged meanwhile) or damaged."""
 
 
-def footer_cells(p: Path, names: tuple[str, ...], count: str, *, arrow: bool = False):
+_BLOCKS = {SHARD_SUMMARY: SHARD_BLOCKS, LEDGER_SUMMARY: LEDGER_BLOCKS}
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A merged file's cells summed per block of SUMMARY_BLOCK versions (fileset.read_summary), taken in place
+    of its per-version cells: `table`, its block cells (SHARD_BLOCKS or LEDGER_BLOCKS columns); `summary`,
+    the footer's summary, whose per-version cells `cells` decodes when a reader needs them after all."""
+
+    table: "pa.Table"
+    summary: dict
+
+    def cells(self, names: tuple[str, ...]) -> "pa.Table":
+        return summary_table(self.summary, names)
+
+
+def footer_cells(p: Path, names: tuple[str, ...], count: str, *, arrow: bool = False,
+                 blocks_below: int | None = None):
     """The columns of p's footer summary (a dict of numpy arrays; with `arrow`, a pyarrow Table for a merged
     file's packed summary) when its `count` column adds up to the file's rows, else None (the caller reads
     the rows); Unreadable when the footer cannot be read. A writer's shard has a few cells as JSON: a
-    Table of its own, cast and summed in Arrow, cost more than its cells (shard_table joins them)."""
+    Table of its own, cast and summed in Arrow, cost more than its cells (shard_table joins them).
+    blocks_below: a merged file whose versions are all below it gives its cells per block instead (Blocks),
+    when its footer has them (their counts checked against the rows the same way)."""
     try:
         meta = read_metadata(p)
     except StoreError:   # the store unreachable: not a damaged file
@@ -51,6 +72,12 @@ def footer_cells(p: Path, names: tuple[str, ...], count: str, *, arrow: bool = F
     summary = read_summary(meta)
     if summary is None or summary["rows"] != meta.num_rows:
         return None
+    if blocks_below is not None and summary.get("block") == SUMMARY_BLOCK and "blocks" in summary \
+            and summary.get("last") is not None and summary["last"] < blocks_below:
+        import pyarrow.compute as pc
+
+        t = summary_table(summary, _BLOCKS[names], "blocks")
+        return Blocks(t, summary) if (pc.sum(t.column(count)).as_py() or 0) == meta.num_rows else None
     if arrow and "columns" in summary:
         import pyarrow.compute as pc
 
@@ -78,16 +105,20 @@ def shard_summaries(shards: list[Path]) -> tuple[dict[str, np.ndarray], list[Pat
     return concat(parts, SHARD_DTYPES), scan
 
 
-def read_footers(files: list[Path], names: tuple[str, ...], count: str, *, arrow: bool = False) -> list:
+def read_footers(files: list[Path], names: tuple[str, ...], count: str, *, arrow: bool = False,
+                 blocks_below: int | None = None) -> list:
     """footer_cells of each file, in order. On an object store by a few threads (each read is a request's
     round trip); local files one by one, since a local footer read is CPU work under the GIL: 8 threads
     took 1.1 s for 837 footers where one thread takes ~0.4 s (2 cores, a soak running beside it)."""
     from buffer.store import RemotePath
 
+    def cells(p: Path):
+        return footer_cells(p, names, count, arrow=arrow, blocks_below=blocks_below)
+
     if len(files) < 16 or not isinstance(files[0], RemotePath):
-        return [footer_cells(p, names, count, arrow=arrow) for p in files]
+        return [cells(p) for p in files]
     with ThreadPoolExecutor(FOOTER_THREADS) as pool:
-        return list(pool.map(lambda p: footer_cells(p, names, count, arrow=arrow), files))
+        return list(pool.map(cells, files))
 
 
 def _scanned(scan: list[Path], con) -> dict[str, np.ndarray] | None:
@@ -110,18 +141,26 @@ def shard_table(shards: list[Path], con) -> "pa.Table | None":
     """Every shard's cells as one Arrow table (SHARD_SUMMARY columns, a row per file and cell), kept in Arrow
     throughout: from its footer, or by a scan on the DuckDB connection `con` (which must be able to read
     the shards); None when a footer or a file cannot be read or a file's rows do not add up to its groups
-    (status's careful path then names the bad file). SQL's version_stats aggregates it with DuckDB;
-    `asyncgrpo status` sums it per version (its filter reasons stay Arrow strings, never Python ones)."""
+    (status's careful path then names the bad file). SQL's version_stats aggregates it with DuckDB."""
+    found = shard_tables(shards, con)
+    return None if found is None else found[0]
+
+
+def shard_tables(shards: list[Path], con, blocks_below: int | None = None) -> "tuple[pa.Table, list[Blocks]] | None":
+    """shard_table's cells, and with `blocks_below`, the Blocks of the merged shards whose versions are all
+    below it (their cells are then not in the table): `asyncgrpo status` sums the cells per version and the
+    blocks per block (its filter reasons stay Arrow strings, never Python ones)."""
     import pyarrow as pa
 
     types = shard_types()
 
     try:
-        found = read_footers(shards, SHARD_SUMMARY, "completions", arrow=True)
+        found = read_footers(shards, SHARD_SUMMARY, "completions", arrow=True, blocks_below=blocks_below)
     except Unreadable:
         return None
     parts, small = [], []   # small: consecutive writers' shards' cells, one table each run (file order kept)
-    for t in found + [None]:
+    blocks = [t for t in found if isinstance(t, Blocks)]
+    for t in [t for t in found if not isinstance(t, Blocks)] + [None]:
         if isinstance(t, dict):
             small.append(t)
             continue
@@ -136,7 +175,7 @@ def shard_table(shards: list[Path], con) -> "pa.Table | None":
         if read is None:
             return None
         parts.append(pa.table(read).cast(types))
-    return pa.concat_tables(parts) if parts else types.empty_table()
+    return (pa.concat_tables(parts) if parts else types.empty_table()), blocks
 
 
 def shard_types() -> "pa.Schema":

@@ -13,6 +13,19 @@ function the sampler uses (`buffer.index.group_states`), applied per version
 to each kind of group (not filtered and not used up, used up, filtered), so
 status and sampling cannot disagree.
 
+Old versions are summed per block instead: every merged file's footer also
+sums its cells per block of SUMMARY_BLOCK (1,000) versions, and below the
+versions whose state can still change (`_uniform_below`: the staleness
+window's start, or without a limit the trainer's version) every version's
+groups of one kind share a state, so a file whose versions all lie below it
+is read by its blocks: what status decodes and sums stays about the same
+however many versions a long run piles up. A block is one row, at its lowest
+version present (with its highest); range widths from a block up are
+multiples of it. Where ranges must be narrower (at most `max_ranges` blocks
+hold a group), or one row per version is asked for, or a retention bound or a
+quarantined shard means groups of a consumed version may be gone, everything
+is summed per version.
+
 Each file's rows must add up to its groups' sizes; if they do not (a partial
 group, or one split over files), or a file cannot be read, status falls back
 to a `GroupIndex` (quarantine off), which names each bad shard and leaves it
@@ -38,10 +51,10 @@ from pathlib import Path
 import numpy as np
 
 import buffer
-from buffer.fileset import LEDGER_SUMMARY
+from buffer.fileset import LEDGER_SUMMARY, SHARD_SUMMARY, SUMMARY_BLOCK
 from buffer.layout import BufferDir, find_buffer, ledger_is_merged
 from buffer.retention import archived_shards, newest_in_ledger, read_floor
-from buffer.stats import Unreadable, concat, footer_cells, shard_table
+from buffer.stats import Blocks, Unreadable, concat, footer_cells, shard_tables
 from buffer.store import RemotePath
 
 DEFAULT_MAX_RANGES = 20
@@ -74,6 +87,24 @@ class _Sums:
     completions: np.ndarray
     reward_sum: np.ndarray
     reasons: np.ndarray
+    last: np.ndarray | None = None   # a row of a block of versions: its highest version (None: version)
+
+    def __post_init__(self) -> None:
+        if self.last is None:
+            object.__setattr__(self, "last", self.version)
+
+
+@dataclass(frozen=True)
+class _Footers:
+    """What _read_sql reads: the shards' cells per version (SHARD_SUMMARY columns) and the merged shards' Blocks
+    (versions all below the bound asked for), the ledger's records that used a group up per group version
+    (used_v, used_n, shapes (U,)) and the merged ledger files' Blocks."""
+
+    cells: "pa.Table"
+    blocks: list[Blocks]
+    used_v: np.ndarray
+    used_n: np.ndarray
+    ledger_blocks: list[Blocks]
 
 
 @dataclass(frozen=True)
@@ -102,6 +133,7 @@ class _Tally:
     completions: np.ndarray
     reward_sum: np.ndarray
     reasons: np.ndarray
+    last: np.ndarray | None = None   # (V,): each row's highest version (a block of versions); None: version
 
     def per_state(self, key: np.ndarray | None = None, n: int = 1) -> np.ndarray:
         """Groups per (key of the version, state), shape (n, len(STATE_NAMES)); key: shape (V,) in [0, n),
@@ -114,32 +146,38 @@ class _Tally:
         return out.reshape(n, names)
 
 
-def _ledger_summaries(ledger: list[Path]) -> tuple[dict[str, np.ndarray], list[Path]] | None:
+def _ledger_summaries(ledger: list[Path], blocks_below: int | None = None) \
+        -> tuple[dict[str, np.ndarray], list[Path], list[Blocks]] | None:
     """The cells (LEDGER_SUMMARY columns: records per group version and use index) of the summaries merged
-    ledger files carry in their footers (buffer.compaction.ledger_summary), and the files without one, to
-    scan: each pull's own small file, a resume's cut, an older merged file; None: a footer failed to read."""
-    parts, plain = [], []
+    ledger files carry in their footers (buffer.compaction.ledger_summary), the files without one, to
+    scan (each pull's own small file, a resume's cut, an older merged file), and the Blocks of the merged
+    files whose group versions are all below `blocks_below`; None: a footer failed to read."""
+    parts, plain, blocks = [], [], []
     try:
         for p in ledger:
-            cols = footer_cells(p, LEDGER_SUMMARY, "records") if ledger_is_merged(p.name) else None
+            cols = footer_cells(p, LEDGER_SUMMARY, "records", blocks_below=blocks_below) \
+                if ledger_is_merged(p.name) else None
             if cols is None:
                 plain.append(p)
+            elif isinstance(cols, Blocks):
+                blocks.append(cols)
             else:
                 parts.append(cols)
     except Unreadable:
         return None
-    return concat(parts, _LEDGER_DTYPES), plain
+    return concat(parts, _LEDGER_DTYPES), plain, blocks
 
 
 _LEDGER_DTYPES = dict(zip(LEDGER_SUMMARY, (np.int64, np.int64, np.int64)))
 
 
-def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
-              floor: int | None = None) -> _Sums | None:
-    """The footers' cells and the ledger's records summed per version; None if a file fails or a group is
+def _read_sql(shards: list[Path], ledger: list[Path], reuse: int, floor: int | None = None,
+              blocks_below: int | None = None) -> _Footers | None:
+    """The footers' cells and the ledger's records that used a group up; None if a file fails or a group is
     partial.
 
     floor: the retention bound (buffer.retention.read_floor): versions below it are counted by id.
+    blocks_below: merged files whose versions are all below it give their sums per block (Blocks).
     """
     import duckdb
 
@@ -148,16 +186,18 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
     if remote is not None:
         remote.store.register(con)
     try:
-        table = shard_table(shards, con)
-        if table is None:
+        found = shard_tables(shards, con, blocks_below)
+        if found is None:
             return None
+        table, blocks = found
         used_v, used_n = np.zeros(0, np.int64), np.zeros(0, np.int64)   # records that used a group up, per version
+        ledger_blocks: list[Blocks] = []
         if ledger:
             low = -(2 ** 62) if floor is None else floor
-            found = _ledger_summaries(ledger)
-            if found is None:
+            read = _ledger_summaries(ledger, blocks_below)
+            if read is None:
                 return None
-            lc, plain = found
+            lc, plain, ledger_blocks = read
             last = (lc["use_index"] == reuse - 1) & (lc["group_version"] >= low)
             used_v, used_n = lc["group_version"][last], lc["records"][last]
             queries = [(_CONSUMED_SQL, {"ledger": [str(p) for p in plain], "last": reuse - 1, "floor": low})] \
@@ -174,10 +214,81 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int,
         return None
     finally:
         con.close()
+    return _Footers(table, blocks, used_v, used_n, ledger_blocks)
+
+
+def _summed(f: _Footers, reuse: int, blocks_below: int | None, max_ranges: int | None) -> _Sums:
+    """The footers' sums per version, and below `blocks_below` (a multiple of SUMMARY_BLOCK) per block of
+    versions: a row of a block stands at its lowest version present (`last`: its highest). Every version
+    below the bound is in the same state, for each kind of group, so a block's sums give its states; and
+    range widths from SUMMARY_BLOCK up are multiples of it, so a block falls in one range. When the
+    versions present fill at most `max_ranges` blocks, ranges may be narrower than a block: then the
+    blocks' own per-version cells are decoded and everything is summed per version."""
+    table, blocks, used_v, used_n = f.cells, f.blocks, f.used_v, f.used_n
+    if blocks_below is None or max_ranges is None:
+        blocks_below = None
+    elif not blocks and not f.ledger_blocks:
+        blocks_below = None      # every cell is per version anyway (a buffer written before blocks)
+    if blocks_below is None and (blocks or f.ledger_blocks):   # taken as blocks, needed per version
+        import pyarrow as pa
+
+        table = pa.concat_tables([table] + [b.cells(SHARD_SUMMARY).cast(table.schema) for b in blocks])
+        for b in f.ledger_blocks:
+            lc = b.cells(LEDGER_SUMMARY)
+            last = lc.column("use_index").to_numpy() == reuse - 1
+            used_v = np.concatenate([used_v, lc.column("group_version").to_numpy()[last].astype(np.int64)])
+            used_n = np.concatenate([used_n, lc.column("records").to_numpy()[last].astype(np.int64)])
+        blocks = []
+    version = table.column("version").to_numpy()   # int64: shard_table casts it
     reason = buffer.reason_codes(table.column("filter_reason"), table.column("filtered").to_numpy())
-    return _per_version(table.column("version").to_numpy(), reason,   # int64: shard_table casts it
-                        *(table.column(k).to_numpy() for k in ("groups", "completions", "reward_sum")),
-                        used_v, used_n)
+    sums = [table.column(k).to_numpy() for k in ("groups", "completions", "reward_sum")]
+    if blocks_below is None:
+        return _per_version(version, reason, *sums, used_v, used_n)
+    old, old_used = version < blocks_below, used_v < blocks_below
+    fine = _per_version(version[~old], reason[~old], *(a[~old] for a in sums), used_v[~old_used],
+                        used_n[~old_used])
+    coarse = _per_block(blocks, version[old], reason[old], [a[old] for a in sums], used_v[old_used],
+                        used_n[old_used], f.ledger_blocks, reuse)
+    if len(coarse.version) + len(np.unique(fine.version // SUMMARY_BLOCK)) <= max_ranges:
+        return _summed(f, reuse, None, max_ranges)       # ranges narrower than a block: per version
+    return _Sums(*(np.concatenate([getattr(coarse, k), getattr(fine, k)])
+                   for k in ("version", "groups", "learnable", "consumed", "completions", "reward_sum")),
+                 coarse.reasons + fine.reasons, np.concatenate([coarse.last, fine.last]))
+
+
+def _per_block(blocks: list[Blocks], version: np.ndarray, reason: np.ndarray, sums: list[np.ndarray],
+               used_v: np.ndarray, used_n: np.ndarray, ledger_blocks: list[Blocks], reuse: int) -> _Sums:
+    """Sums per block of versions (see _summed) of the shards' Blocks and of the per-version cells (`version`
+    and the rest, shapes (C,)) and records (used_v, used_n) below the bound, with the ledger's Blocks.
+    A block's consumed groups are its records, at most its learnable groups."""
+    import pyarrow as pa
+
+    first, last = [version], [version]
+    block, codes, parts = [version // SUMMARY_BLOCK], [reason], [[a] for a in sums]
+    if blocks:
+        t = pa.concat_tables([b.table for b in blocks])
+        block.append(t.column("block").to_numpy().astype(np.int64))
+        codes.append(buffer.reason_codes(t.column("filter_reason"), t.column("filtered").to_numpy()))
+        for part, k in zip(parts, ("groups", "completions", "reward_sum")):
+            part.append(t.column(k).to_numpy())
+        first.append(t.column("first").to_numpy().astype(np.int64))
+        last.append(t.column("last").to_numpy().astype(np.int64))
+    used_b, used_k = [used_v // SUMMARY_BLOCK], [used_n]
+    for b in ledger_blocks:
+        at = b.table.column("use_index").to_numpy() == reuse - 1
+        used_b.append(b.table.column("block").to_numpy()[at].astype(np.int64))
+        used_k.append(b.table.column("records").to_numpy()[at].astype(np.int64))
+    block, first, last = np.concatenate(block), np.concatenate(first), np.concatenate(last)
+    sums_b = _per_version(block, np.concatenate(codes), *(np.concatenate(p) for p in parts),
+                          np.concatenate(used_b), np.concatenate(used_k))
+    n = len(sums_b.version)
+    at = np.minimum(np.searchsorted(sums_b.version, block), max(n - 1, 0))
+    held = sums_b.version[at] == block if n else np.zeros(len(block), np.bool_)   # not a block of empty cells
+    lowest, highest = np.full(n, np.iinfo(np.int64).max), np.full(n, np.iinfo(np.int64).min)
+    np.minimum.at(lowest, at[held], first[held])
+    np.maximum.at(highest, at[held], last[held])
+    return _Sums(lowest, *(getattr(sums_b, k) for k in ("groups", "learnable", "consumed", "completions",
+                                                         "reward_sum", "reasons")), highest)
 
 
 def _per_version(version: np.ndarray, reason: np.ndarray, groups: np.ndarray, completions: np.ndarray,
@@ -244,7 +355,22 @@ def _tally(g: _Sums | _Groups, trainer_version: int, max_staleness: int | None, 
                                  (np.ones(n, np.int8), 0, g.groups - g.learnable)):
         state = buffer.group_states(v, reason, np.full(n, used), one, trainer_version, max_staleness, reuse)
         layers.append((None, state, groups))
-    return _Tally(v, layers, g.completions, g.reward_sum, g.reasons)
+    return _Tally(v, layers, g.completions, g.reward_sum, g.reasons, g.last)
+
+
+def _uniform_below(trainer_version: int | None, max_staleness: int | None) -> int | None:
+    """A multiple of SUMMARY_BLOCK below which every version's groups of one kind (learnable and not used up,
+    used up, filtered) are in one state: expired (older than the staleness limit allows) or, without a
+    limit, eligible (no newer than the trainer); None: the trainer's version is not known yet.
+
+    The blocks below it are summed per block (status then does not grow with the versions of a long run),
+    where a version's consumed groups, its records at most its learnable groups, become a block's: the
+    two differ only where groups of a consumed version are gone, which is why a buffer with a retention
+    bound or with quarantined shards is summed per version throughout."""
+    if trainer_version is None:
+        return None
+    window = trainer_version + 1 if max_staleness is None else trainer_version - max_staleness
+    return window // SUMMARY_BLOCK * SUMMARY_BLOCK
 
 
 def range_width(versions: np.ndarray, max_rows: int) -> int:
@@ -304,7 +430,8 @@ def version_ranges(t: _Tally, width: int) -> list[dict]:
     names = buffer.STATE_NAMES
     filtered = names.index("filtered")
     groups = per_state.sum(axis=1)
-    return [{"first": int(t.version[first[r]]), "last": int(t.version[last[r]]), "groups": int(groups[r]),
+    highest = t.version if t.last is None else t.last
+    return [{"first": int(t.version[first[r]]), "last": int(highest[last[r]]), "groups": int(groups[r]),
              "completions": int(completions[r]), "reward_mean": float(reward_sum[r] / completions[r]),
              "filtered_share": float(per_state[r, filtered] / groups[r]),
              **{name: int(per_state[r, i]) for i, name in enumerate(names)}}
@@ -323,11 +450,14 @@ def buffer_status(path: str | os.PathLike, *, trainer_version: int | None = None
     d = BufferDir(root)
     shards = d.live_shards()
     ledger = d.ledger_shards()
-    g = _read_sql(shards, ledger, reuse, read_floor(root)) or _read_index(root)
-    newest = newest_in_ledger(ledger)
-    t = trainer_version
+    quarantined = d.quarantined()
+    floor = read_floor(root)
+    t = trainer_version if trainer_version is not None else newest_in_ledger(ledger)
+    below = _uniform_below(t, max_staleness) if floor is None and not quarantined else None
+    read = _read_sql(shards, ledger, reuse, floor, below)
+    g = _summed(read, reuse, below, max_ranges) if read is not None else _read_index(root)
     if t is None:
-        t = newest if newest is not None else int(g.version.max()) if len(g.version) else 0
+        t = int(g.version.max()) if len(g.version) else 0
     tally = _tally(g, t, max_staleness, reuse)
     counts = weighted_counts(tally, by_version=max_ranges is None)
     width = 1 if max_ranges is None else range_width(tally.version, max_ranges)
@@ -341,7 +471,6 @@ def buffer_status(path: str | os.PathLike, *, trainer_version: int | None = None
                 pass
         return total
 
-    quarantined = d.quarantined()
     archived = archived_shards(root)   # a listing and a stat each: the archive is not read
     unreadable = g.unreadable if isinstance(g, _Groups) else {}
     return {

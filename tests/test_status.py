@@ -329,3 +329,71 @@ def test_a_version_over_several_shards_and_descending_files_is_counted_once_per_
         assert st["consumed"] == 5 and st["filtered"] == 3 and st["groups"] == 12
         rows = {r["first"]: (r["groups"], r["completions"]) for r in st["version_ranges"]}
         assert rows == {0: (1, 3), 3 * scale: (3, 7), 5 * scale: (5, 14), 9 * scale: (3, 9)}
+
+
+LONG_VERSIONS = list(range(0, 40_000, 50))   # 800 versions in 40 blocks of SUMMARY_BLOCK (1,000) versions
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    """A buffer of a long run's shape: 1,600 groups over 40,000 versions, merged into c-files (their footers
+    sum them per block of versions too), 1,250 pulls with reuse 2 (some groups used twice) in two merged
+    ledger files and a pull's own file after them, and a late writer's shards with old and new versions."""
+    from buffer import compact, compact_ledger
+
+    buf = tmp_path_factory.mktemp("long") / "buffer"
+    with ShardWriter(buf, flush_groups=32, flush_seconds=None) as w:
+        for i in range(2 * len(LONG_VERSIONS)):
+            rewards = _rewards(i)
+            w.append(make_group(LONG_VERSIONS[i // 2], rewards, prompt_id=f"p{i}", seed=i, tokens=2,
+                                correct=[r == 1.0 for r in rewards]))
+    with Sampler(buf, reuse=2) as s:   # oldest first: steps 1-2 take versions below ~18,000
+        for step in range(1, 5):
+            assert s.pull(250, trainer_version=40_000, trainer_step=step, max_staleness=None) is not None
+            if step % 2 == 0:
+                assert compact_ledger(buf, target_rows=500, min_age_s=0.0, grace_s=0.0).written_files == 1
+    compact(buf, target_groups=64, min_age_s=0.0, grace_s=0.0)
+    with Sampler(buf, reuse=2) as s:
+        assert s.pull(250, trainer_version=40_000, trainer_step=5, max_staleness=None) is not None
+    with ShardWriter(buf, flush_groups=4, flush_seconds=None) as w:
+        for i, v in enumerate((120, 5_010, 20_020, 20_020, 29_999, 30_000, 39_990, 39_990)):
+            w.append(make_group(v, _rewards(i + 3), prompt_id=f"late{i}", seed=1000 + i, tokens=2))
+    return buf
+
+
+def _careful_status(buf, t, stale, reuse, max_ranges):
+    """Counts and ranges from the careful path (a GroupIndex, per group), as buffer_status builds them."""
+    from buffer import find_buffer
+    from pipeline import status as S
+
+    tally = S._tally(S._read_index(find_buffer(buf)), t, stale, reuse)
+    return (S.weighted_counts(tally, by_version=False),
+            S.version_ranges(tally, S.range_width(tally.version, max_ranges)))
+
+
+@pytest.mark.parametrize("t, stale, reuse, max_ranges", [
+    (40_000, None, 1, 20), (40_000, None, 2, 20), (40_000, 10_000, 1, 20), (40_000, 10_000, 2, 7),
+    (25_000, 3_000, 1, 20), (None, 12_345, 2, 30), (40_000, 10_000, 1, 100), (40_000, 10_000, 1, 2)])
+def test_old_versions_summed_per_block_give_the_per_group_counts(long_run, t, stale, reuse, max_ranges):
+    """Below the versions whose state is one (expired, or eligible without a staleness limit) status sums
+    the merged files' footers per block of 1,000 versions, not per version: every count and every range
+    row (first, last, groups, completions, each state, shares) equals the careful path's, per group.
+    max_ranges 100 (more rows than the 40 blocks): ranges narrower than a block, summed per version."""
+    from buffer import BufferDir
+    from pipeline import status as S
+
+    d = BufferDir(long_run)
+    below = S._uniform_below(40_000 if t is None else t, stale)
+    read = S._read_sql(d.live_shards(), d.ledger_shards(), reuse, None, below)
+    assert read.blocks and read.ledger_blocks and below >= 10_000    # the block path is taken
+    st = buffer_status(long_run, trainer_version=t, max_staleness=stale, reuse=reuse, max_ranges=max_ranges)
+    counts, ranges = _careful_status(long_run, 40_000 if t is None else t, stale, reuse, max_ranges)
+    assert {k: st[k] for k in counts} == counts and st["unreadable"] == {}
+    assert counts["consumed"] > 0 and counts["expired" if stale else "eligible"] > 0
+    assert len(st["version_ranges"]) == len(ranges) <= max_ranges
+    for got, want in zip(st["version_ranges"], ranges):
+        assert got["reward_mean"] == pytest.approx(want["reward_mean"], rel=1e-12)
+        assert {k: v for k, v in got.items() if k != "reward_mean"} == \
+            {k: v for k, v in want.items() if k != "reward_mean"}
+    if max_ranges >= 100:
+        assert st["version_range_width"] < 1000
