@@ -57,7 +57,7 @@ of a 120-300 s tenth sample several of the compactor's states. The buffer grows 
   aggregate_ms   wall time of `buffer.BufferSQL(run).query("SELECT version, avg(reward) AS reward
                  FROM rollouts GROUP BY version")` on a fresh BufferSQL (fresh connection, views
                  rebuilt, every footer read): what a user's SQL costs
-  stats_ms       the same answer from the version_stats table ("SELECT version,
+  stats_ms       the same answer from the version_stats view ("SELECT version,
                  sum(reward_sum) / sum(completions) FROM version_stats GROUP BY version"),
                  built from the shards' footer sums: no row is read, so it follows the
                  number of live files and versions rather than the rows
@@ -76,6 +76,17 @@ of a 120-300 s tenth sample several of the compactor's states. The buffer grows 
   host_ms        a fixed piece of CPU work that reads nothing of the run (`host`): the host's
                  own speed at that moment (these machines are shared; one slowed ~15% within a
                  run), so host_ratio says how much of a latency's ratio is the host's drift
+  aggregate_ms_frozen, stats_ms_frozen, status_s_frozen
+                 the same calls, in the same rounds (each beside the run's, the two in turn
+                 first), on the first
+                 tenth's buffer: at the first tenth the run's buffer is linked, file by file, into
+                 <dir>/soak-first (`freeze`: hard links under the buffer's lock; the files are
+                 write-once). The JSON's `*_side_ratio` (last tenth's figure / the first tenth's
+                 buffer's in the same rounds) is the growth with the buffer alone: the host's
+                 speed and the daemons' load at that moment are the same for both; the issue's
+                 `*_ratio` compares two moments ~25 minutes apart. `*_paired_ratio`: the median
+                 of the rounds' own ratios (run / first tenth's buffer, one call after the
+                 other), steadier still, since a level merge's load lasts seconds
   live_files     live rollout shards + ledger files + metrics and generator_metrics files, as
                  readers list them through each kind's manifest (`workers.compactor.live_files`)
   writer_rss_mb, sampler_rss_mb, compactor_rss_mb
@@ -120,7 +131,8 @@ stderr; the last line on stdout is one JSON object: each figure at the first
 and last tenth (`*_first`, `*_last`), their ratios, `targets` (the issue's:
 at the last tenth aggregate <= 1 s, pull p99 <= 250 ms, status <= 1 s, live
 files <= 2000; each latency last/first <= 1.5; writer and sampler RSS
-last/first <= 1.25) as booleans, the invariants, and under "real" the real
+last/first <= 1.25) as booleans, `side_by_side` (each `*_side_ratio` and
+`*_paired_ratio_last` <= 1.5, as booleans), the invariants, and under "real" the real
 part's figures (live files: the maximum, the maxima of the first and second
 half of the minutes and the slope over the second half, all of each minute's peak; RSS per daemon at the
 middle minute and the last, and their ratio; query errors; each per-minute
@@ -170,7 +182,7 @@ HEARTBEAT_S = 0.5          # trainer / writer progress files
 STALL_S = 300.0            # no trainer step for this long: the bench stops with an error
 COMPACTOR_SETTINGS = ["compactor.every_s=5", "compactor.min_age_s=2", "compactor.grace_s=10", "compactor.nice=0"]
 AGGREGATE_SQL = "SELECT version, avg(reward) AS reward FROM rollouts GROUP BY version"
-# The same answer from the version_stats table (the shards' footer sums, buffer/stats.py): no row scan.
+# The same answer from the version_stats view (the shards' footer sums, buffer/stats.py): no row scan.
 STATS_SQL = "SELECT version, sum(reward_sum) / sum(completions) AS reward FROM version_stats GROUP BY version"
 # The fixed part of AGGREGATE_SQL's cost: rows counted from the footers, no column read.
 COUNT_SQL = "SELECT count(*) AS n FROM rollouts"
@@ -525,28 +537,62 @@ def host(_run: Path) -> None:
 
 
 def measure_rounds(run: Path, ctl: Path, errors: list[str], rounds: int = ROUNDS,
-                   gap_s: float = ROUND_GAP_S) -> dict[str, list[float]]:
+                   gap_s: float = ROUND_GAP_S, frozen: Path | None = None) -> dict[str, list[float]]:
     """A tenth's latencies: `rounds` rounds, one started every `gap_s` seconds, each one call of the
     aggregate, count(*), version_stats, status and the host's fixed work (and the status CLI in the
     first round only: its Python start-up would dominate more). Calls at one moment all meet the same
     state of the compactor (a level merge runs for up to ~20 s), so a tenth's figure is the median of
     calls spread over ~half a minute; the trainer is told (the `measuring` file) while a round runs.
+    With `frozen` (the first tenth's buffer, `freeze`), each round also times the aggregate,
+    version_stats and status on it, each right after the same call on the run ("<name>_frozen"), and
+    keeps each round's ratio of the two ("<name>_paired").
     Returns each measure's seconds (a failed call is recorded in `errors` and left out)."""
     fns = [aggregate, count, stats, status, host]
+    side = {aggregate, stats, status} if frozen is not None else set()
     out: dict[str, list[float]] = {fn.__name__: [] for fn in [*fns, status_cli]}
+    out.update({f"{fn.__name__}_{kind}": [] for fn in side for kind in ("frozen", "paired")})
     for r in range(rounds):
         t_next = time.monotonic() + gap_s
         (ctl / "measuring").touch()
         try:
             for fn in fns + ([status_cli] if r == 0 else []):
-                t = measured(fn, run, errors)
+                if fn not in side:
+                    t = measured(fn, run, errors)
+                elif r % 2 == 0:    # which of the pair goes first alternates: neither gains from the other
+                    t, t_frozen = measured(fn, run, errors), measured(fn, frozen, errors)
+                else:
+                    t_frozen, t = measured(fn, frozen, errors), measured(fn, run, errors)
                 if t is not None:
                     out[fn.__name__].append(t)
+                if fn in side and t_frozen is not None:
+                    out[f"{fn.__name__}_frozen"].append(t_frozen)
+                    if t is not None:   # this round's ratio: both calls met about the same load
+                        out[f"{fn.__name__}_paired"].append(t / t_frozen)
         finally:
             (ctl / "measuring").unlink()
         if r < rounds - 1:
             time.sleep(max(0.0, t_next - time.monotonic()))
     return out
+
+
+def freeze(run: Path, dest: Path) -> None:
+    """dest/buffer: the run's buffer as it is now, made of hard links (every file the buffer writes is
+    write-once and replaced by rename, manifests too, so a link keeps the file as it was, and
+    compaction's later deletions unlink only the run's name), taken under the buffer's lock, so no merge
+    goes live or deletes its sources meanwhile. Lock files and temp files are left out. The soak then
+    measures it beside the growing buffer in the same rounds: the host's drift and the daemons' load at
+    that moment are then the same for both."""
+    from buffer import BufferDir
+
+    src = BufferDir(run / "buffer")
+    with src.lock:
+        for folder, dirs, names in os.walk(src.root):
+            rel = Path(folder).relative_to(src.root)
+            dirs[:] = [d for d in dirs if d != "tmp"]
+            (dest / "buffer" / rel).mkdir(parents=True, exist_ok=True)
+            for name in names:
+                if not name.endswith(".lock"):
+                    os.link(Path(folder) / name, dest / "buffer" / rel / name)
 
 
 def median(xs: list[float]) -> float | None:
@@ -649,6 +695,7 @@ def synthetic(base: Path, args, state: dict) -> dict:
 
     run = base / "soak-run"
     ctl = base / "soak-ctl"          # the bench's own control files, outside the run
+    frozen = base / "soak-first"     # the run's buffer at the first tenth (freeze), measured beside it
     ctl.mkdir(parents=True)
     BufferDir(run / "buffer", create=True)
     write_run_config(run)
@@ -691,9 +738,15 @@ def synthetic(base: Path, args, state: dict) -> dict:
         rss = {"writer_rss_mb": rss_mib(writer.pid), "sampler_rss_mb": rss_mib(trainer.pid),
                "compactor_rss_mb": rss_mib(compactor.pid)}
         files = live_files(run)
-        took = measure_rounds(run, ctl, errors, args.rounds, args.round_gap)
+        if k == 1:
+            freeze(run, frozen)
+        took = measure_rounds(run, ctl, errors, args.rounds, args.round_gap, frozen)
         agg, cnt, vs, st, st_cli, cpu = (took[key] for key in ("aggregate", "count", "stats", "status",
                                                                  "status_cli", "host"))
+        side = {f"{name}_frozen": (ms if unit == "ms" else rnd)(median(took[f"{fn}_frozen"]))
+                for fn, name, unit in (("aggregate", "aggregate_ms", "ms"), ("stats", "stats_ms", "ms"),
+                                       ("status", "status_s", "s"))}
+        side.update({f"{fn}_paired_ratio": rnd(median(took[f"{fn}_paired"])) for fn in ("aggregate", "stats", "status")})
         row = {"decile": k, "steps": d["steps"], "groups": w.get("groups"), "trainable_groups": w.get("trainable"),
                "elapsed_s": round(time.time() - t_start, 1), "window_s": round(d["window_s"], 2),
                "aggregate_ms": ms(median(agg)), "aggregate_ms_min": ms(least(agg)),
@@ -709,13 +762,16 @@ def synthetic(base: Path, args, state: dict) -> dict:
                "writer_blocked_s": rnd(w.get("blocked_s"), 1), "index_groups": d["index_groups"],
                "index_relists": d.get("index_relists"),
                "sampler_cache_mb": rnd(d["cached_mb"], 1), "sampler_arrow_mb": rnd(d.get("arrow_mb"), 1),
-               "measure_errors": len(errors)}
+               **side, "measure_errors": len(errors)}
         rows.append(row)
         log(f"  {k * 10:3d}%: step {row['steps']:,}, {row['groups'] or 0:,} groups, {row['window_s']:.1f} s "
             f"this tenth | aggregate {row['aggregate_ms']} ms (count {row['count_ms']} ms, version_stats "
             f"{row['stats_ms']} ms), pull p50 {row['pull_p50_ms']:.1f} / p99 "
             f"{row['pull_p99_ms']:.1f} ms, status {row['status_s']} s [{row['status_s_spread']}] (CLI "
-            f"{row['status_cli_s']} s), host {row['host_ms']} ms | "
+            f"{row['status_cli_s']} s), host {row['host_ms']} ms | first tenth's buffer now: aggregate "
+            f"{row['aggregate_ms_frozen']} ms, version_stats {row['stats_ms_frozen']} ms, status "
+            f"{row['status_s_frozen']} s (paired ratios {row['aggregate_paired_ratio']}, "
+            f"{row['stats_paired_ratio']}, {row['status_paired_ratio']}) | "
             f"files {row['live_files']} ({row['live_shards']} shards, {row['ledger_files']} ledger) | RSS MiB "
             f"writer {row['writer_rss_mb']}, sampler {row['sampler_rss_mb']}, compactor {row['compactor_rss_mb']}")
     # The writer and trainer went on past the last tenth, so that it was measured under the same load
@@ -775,6 +831,10 @@ def summarize_synthetic(rows, inv, w, tr, comp, seconds, csv_path) -> dict:
         "aggregate_ms_min_first": first["aggregate_ms_min"], "aggregate_ms_min_last": last["aggregate_ms_min"],
         "stats_ms_min_first": first["stats_ms_min"], "stats_ms_min_last": last["stats_ms_min"],
         "host_ms_first": first["host_ms"], "host_ms_last": last["host_ms"],
+        **{f"{key}_{at}": row.get(key) for key in ("aggregate_ms_frozen", "stats_ms_frozen", "status_s_frozen",
+                                                   "aggregate_paired_ratio", "stats_paired_ratio",
+                                                   "status_paired_ratio")
+           for at, row in (("first", first), ("last", last))},
         "status_cli_s_first": first["status_cli_s"], "status_cli_s_last": last["status_cli_s"],
         "live_files_max": max(r["live_files"] for r in rows), "live_files_last": last["live_files"],
         "live_shards_last": last["live_shards"], "ledger_files_last": last["ledger_files"],
@@ -797,6 +857,9 @@ def summarize_synthetic(rows, inv, w, tr, comp, seconds, csv_path) -> dict:
         "aggregate_min_ratio": ratio(out["aggregate_ms_min_last"], out["aggregate_ms_min_first"]),
         "stats_min_ratio": ratio(out["stats_ms_min_last"], out["stats_ms_min_first"]),
         "host_ratio": ratio(out["host_ms_last"], out["host_ms_first"]),
+        # the last tenth's buffer against the first tenth's, measured in the same rounds (freeze)
+        **{f"{name}_side_ratio": ratio(out[f"{key}_last"], out[f"{key}_frozen_last"])
+           for name, key in (("aggregate", "aggregate_ms"), ("stats", "stats_ms"), ("status", "status_s"))},
         "writer_rss_ratio": ratio(out["writer_rss_mb_last"], out["writer_rss_mb_first"]),
         "sampler_rss_ratio": ratio(out["sampler_rss_mb_last"], out["sampler_rss_mb_first"]),
     })
@@ -813,6 +876,9 @@ def summarize_synthetic(rows, inv, w, tr, comp, seconds, csv_path) -> dict:
         "writer_rss_ratio_le_1.25": le(out["writer_rss_ratio"], 1.25),
         "sampler_rss_ratio_le_1.25": le(out["sampler_rss_ratio"], 1.25),
     }
+    out["side_by_side"] = {f"{name}_{kind}_le_1.5": le(out[f"{name}_{kind}"], 1.5)
+                           for name in ("aggregate", "stats", "status")
+                           for kind in ("side_ratio", "paired_ratio_last")}
     out["trained_twice"] = inv["trained_twice"]
     out["lost"] = inv["lost"]
     out["invariants"] = {"no_group_twice": inv["trained_twice"] == 0, "nothing_lost": inv["lost"] == 0,

@@ -151,8 +151,6 @@ def offline_connection() -> duckdb.DuckDBPyConnection:
 
 
 _STATS_NAME = re.compile(r"\bversion_stats\b", re.IGNORECASE)
-_STATS_COLUMNS = ("version BIGINT, filtered BOOLEAN, filter_reason VARCHAR, groups BIGINT, completions BIGINT, "
-                  "reward_sum DOUBLE")
 # The same sums from the rows, where a footer cannot be used (the query then meets the bad file, which
 # is quarantined and left out, as for any query).
 _STATS_SCAN_SQL = """
@@ -165,19 +163,20 @@ FROM rollouts GROUP BY ALL
 
 
 def _version_stats(con: duckdb.DuckDBPyConnection, shards: list) -> None:
-    """The version_stats table on `con` (whose rollouts view reads `shards`), from the footers' sums."""
+    """The version_stats view on `con` (whose rollouts view reads `shards`), over the footers' sums."""
     from buffer.stats import shard_table, shard_types
 
     cells = shard_table(shards, con) if shards else shard_types().empty_table()
     if cells is None:
         con.execute(f"CREATE VIEW version_stats AS {_STATS_SCAN_SQL}")
         return
-    con.register("version_stats_cells", cells)
-    con.execute(f"CREATE TABLE version_stats ({_STATS_COLUMNS})")
-    con.execute("INSERT INTO version_stats SELECT version, filtered, nullif(filter_reason, ''), sum(groups), "
-                "sum(completions), sum(reward_sum) FROM version_stats_cells WHERE groups > 0 GROUP BY 1, 2, 3 "
-                "ORDER BY 1, 2, 3")
-    con.unregister("version_stats_cells")
+    # A view over the cells (an Arrow table held by the connection), not a table filled from them: a query
+    # sums the cells itself, where an INSERT ... ORDER BY copied them into DuckDB's storage first (on the
+    # synthetic soak's final buffer, 230,000 cells: "mean reward by version" 138-173 ms against 178-216).
+    con.register("_version_stats_cells", cells)
+    con.execute("CREATE VIEW version_stats AS SELECT version, filtered, nullif(filter_reason, '') AS filter_reason, "
+                "sum(groups)::BIGINT AS groups, sum(completions)::BIGINT AS completions, sum(reward_sum) AS reward_sum "
+                "FROM _version_stats_cells WHERE groups > 0 GROUP BY 1, 2, 3")
 
 
 class BufferSQL:
@@ -219,7 +218,7 @@ class BufferSQL:
 
     def connect(self, *, stats: bool = False) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory connection with the views over the current files, locked down; with
-        `stats`, also the version_stats table (a footer read per shard)."""
+        `stats`, also the version_stats view (a footer read per shard)."""
         shards, ledger, metrics = self._files()
         archived = self._archived(shards)
         self._listed = shards + ledger + metrics + archived

@@ -4,7 +4,7 @@ Every shard's footer carries these sums (the writer's shards as a few JSON cells
 c-files as a packed table; `buffer.fileset.read_summary`): groups, completions and the sum of their
 rewards. A shard without one (written before summaries existed), or whose sums do not add up to its
 rows, is read instead: one DuckDB scan of each group's first row, summed the same way. `asyncgrpo
-status` counts states from these cells, and SQL's `version_stats` table is built from them, so both
+status` counts states from these cells, and SQL's `version_stats` view sums them, so both
 cost a footer read per file rather than a scan of every row.
 """
 
