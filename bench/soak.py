@@ -147,9 +147,10 @@ every child is stopped either way. The temp dir is removed unless `--keep`.
 Time: the trainer's pull is the critical path (the writer waits on admission
 most of the time), about 17 ms a step on 2 cores with the compactor beside
 it: `--groups 100000 --steps 10000` took 171-206 s, so the default scale
-takes about 20-35 minutes (1,237 and 1,299 s measured). The "groups" of a
-tenth's row is the writer's count when the coordinator measured (a
-heartbeat, up to 0.5 s old).
+takes about 20-35 minutes (1,237 and 1,299 s measured; 1,553-1,741 s on
+12-07, the last with the first tenth's buffer measured beside the run). The
+"groups" of a tenth's row is the writer's count when the coordinator
+measured (a heartbeat, up to 0.5 s old).
 """
 
 from __future__ import annotations
