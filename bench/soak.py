@@ -545,8 +545,8 @@ def measure_rounds(run: Path, ctl: Path, errors: list[str], rounds: int = ROUNDS
     state of the compactor (a level merge runs for up to ~20 s), so a tenth's figure is the median of
     calls spread over ~half a minute; the trainer is told (the `measuring` file) while a round runs.
     With `frozen` (the first tenth's buffer, `freeze`), each round also times the aggregate,
-    version_stats and status on it, each right after the same call on the run ("<name>_frozen"), and
-    keeps each round's ratio of the two ("<name>_paired").
+    version_stats and status on it, beside the same call on the run ("<name>_frozen"; the run's first in
+    even rounds, the first tenth's in odd ones), and keeps each round's ratio of the two ("<name>_paired").
     Returns each measure's seconds (a failed call is recorded in `errors` and left out)."""
     fns = [aggregate, count, stats, status, host]
     side = {aggregate, stats, status} if frozen is not None else set()
