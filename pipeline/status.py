@@ -198,8 +198,7 @@ def _read_sql(shards: list[Path], ledger: list[Path], reuse: int, floor: int | N
             if read is None:
                 return None
             lc, plain, ledger_blocks = read
-            last = (lc["use_index"] == reuse - 1) & (lc["group_version"] >= low)
-            used_v, used_n = lc["group_version"][last], lc["records"][last]
+            used_v, used_n = _used_up(lc["use_index"], lc["group_version"], lc["records"], reuse, low)
             queries = [(_CONSUMED_SQL, {"ledger": [str(p) for p in plain], "last": reuse - 1, "floor": low})] \
                 if plain else []
             if floor is not None and shards:   # versions below the bound: by id (none of them counted above)
@@ -225,20 +224,17 @@ def _summed(f: _Footers, reuse: int, blocks_below: int | None, max_ranges: int |
     versions present fill at most `max_ranges` blocks, ranges may be narrower than a block: then the
     blocks' own per-version cells are decoded and everything is summed per version."""
     table, blocks, used_v, used_n = f.cells, f.blocks, f.used_v, f.used_n
-    if blocks_below is None or max_ranges is None:
-        blocks_below = None
-    elif not blocks and not f.ledger_blocks:
+    if not blocks and not f.ledger_blocks:
         blocks_below = None      # every cell is per version anyway (a buffer written before blocks)
-    if blocks_below is None and (blocks or f.ledger_blocks):   # taken as blocks, needed per version
+    elif max_ranges is None or _blocks_held(table, blocks) <= max_ranges:   # taken as blocks, needed per version
         import pyarrow as pa
 
         table = pa.concat_tables([table] + [b.cells(SHARD_SUMMARY).cast(table.schema) for b in blocks])
         for b in f.ledger_blocks:
             lc = b.cells(LEDGER_SUMMARY)
-            last = lc.column("use_index").to_numpy() == reuse - 1
-            used_v = np.concatenate([used_v, lc.column("group_version").to_numpy()[last].astype(np.int64)])
-            used_n = np.concatenate([used_n, lc.column("records").to_numpy()[last].astype(np.int64)])
-        blocks = []
+            v, n = _used_up(*(lc.column(k).to_numpy() for k in ("use_index", "group_version", "records")), reuse)
+            used_v, used_n = np.concatenate([used_v, v]), np.concatenate([used_n, n])
+        blocks, blocks_below = [], None
     version = table.column("version").to_numpy()   # int64: shard_table casts it
     reason = buffer.reason_codes(table.column("filter_reason"), table.column("filtered").to_numpy())
     sums = [table.column(k).to_numpy() for k in ("groups", "completions", "reward_sum")]
@@ -249,11 +245,26 @@ def _summed(f: _Footers, reuse: int, blocks_below: int | None, max_ranges: int |
                         used_n[~old_used])
     coarse = _per_block(blocks, version[old], reason[old], [a[old] for a in sums], used_v[old_used],
                         used_n[old_used], f.ledger_blocks, reuse)
-    if len(coarse.version) + len(np.unique(fine.version // SUMMARY_BLOCK)) <= max_ranges:
-        return _summed(f, reuse, None, max_ranges)       # ranges narrower than a block: per version
     return _Sums(*(np.concatenate([getattr(coarse, k), getattr(fine, k)])
                    for k in ("version", "groups", "learnable", "consumed", "completions", "reward_sum")),
                  coarse.reasons + fine.reasons, np.concatenate([coarse.last, fine.last]))
+
+
+def _used_up(use_index: np.ndarray, version: np.ndarray, records: np.ndarray, reuse: int,
+             low: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Of ledger cells (records per version or block and use index, shapes (L,)), those that used a group up
+    for good (use index reuse - 1; with `low`, at versions from it): their versions (or blocks) and records."""
+    keep = use_index == reuse - 1
+    if low is not None:
+        keep &= version >= low
+    return version[keep].astype(np.int64), records[keep].astype(np.int64)
+
+
+def _blocks_held(cells: "pa.Table", blocks: list[Blocks]) -> int:
+    """How many blocks of versions hold a group, over the per-version cells and the Blocks."""
+    held = [cells.column("version").to_numpy()[cells.column("groups").to_numpy() > 0] // SUMMARY_BLOCK]
+    held += [b.table.column("block").to_numpy()[b.table.column("groups").to_numpy() > 0] for b in blocks]
+    return len(np.unique(np.concatenate(held)))
 
 
 def _per_block(blocks: list[Blocks], version: np.ndarray, reason: np.ndarray, sums: list[np.ndarray],
@@ -275,9 +286,9 @@ def _per_block(blocks: list[Blocks], version: np.ndarray, reason: np.ndarray, su
         last.append(t.column("last").to_numpy().astype(np.int64))
     used_b, used_k = [used_v // SUMMARY_BLOCK], [used_n]
     for b in ledger_blocks:
-        at = b.table.column("use_index").to_numpy() == reuse - 1
-        used_b.append(b.table.column("block").to_numpy()[at].astype(np.int64))
-        used_k.append(b.table.column("records").to_numpy()[at].astype(np.int64))
+        v, n = _used_up(*(b.table.column(k).to_numpy() for k in ("use_index", "block", "records")), reuse)
+        used_b.append(v)
+        used_k.append(n)
     block, first, last = np.concatenate(block), np.concatenate(first), np.concatenate(last)
     sums_b = _per_version(block, np.concatenate(codes), *(np.concatenate(p) for p in parts),
                           np.concatenate(used_b), np.concatenate(used_k))
@@ -453,7 +464,8 @@ def buffer_status(path: str | os.PathLike, *, trainer_version: int | None = None
     quarantined = d.quarantined()
     floor = read_floor(root)
     t = trainer_version if trainer_version is not None else newest_in_ledger(ledger)
-    below = _uniform_below(t, max_staleness) if floor is None and not quarantined else None
+    below = _uniform_below(t, max_staleness) if floor is None and not quarantined \
+        and max_ranges is not None else None
     read = _read_sql(shards, ledger, reuse, floor, below)
     g = _summed(read, reuse, below, max_ranges) if read is not None else _read_index(root)
     if t is None:
