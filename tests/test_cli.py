@@ -57,6 +57,22 @@ def test_sql_formats_and_stdin(demo_run):
     assert isinstance(json.loads(r.stdout)[0]["completion_ids"], list)
 
 
+def test_sql_versions_view_matches_the_rows(demo_run):
+    """`asyncgrpo sql` over the versions view (footer sums) gives the rows' groups, completions and mean reward."""
+    fast = run_cli("sql", str(demo_run), "--format", "json",
+                   "SELECT version, groups, filtered_groups, completions, reward_mean FROM versions ORDER BY 1")
+    rows = run_cli("sql", str(demo_run), "--format", "json",
+                   "SELECT version, count(*) AS groups, count(*) FILTER (WHERE filtered) AS filtered_groups, "
+                   "sum(num_completions)::BIGINT AS completions, sum(reward_mean * num_completions) / "
+                   "sum(num_completions) AS reward_mean FROM groups GROUP BY 1 ORDER BY 1")
+    assert fast.returncode == 0 and rows.returncode == 0, fast.stderr + rows.stderr
+    fast, rows = json.loads(fast.stdout), json.loads(rows.stdout)
+    assert sum(r["groups"] for r in fast) == 300 and len(fast) > 1
+    assert [{k: v for k, v in r.items() if k != "reward_mean"} for r in fast] == \
+        [{k: v for k, v in r.items() if k != "reward_mean"} for r in rows]
+    assert [r["reward_mean"] for r in fast] == pytest.approx([r["reward_mean"] for r in rows], abs=1e-12)
+
+
 @pytest.mark.parametrize("args, message", [
     (["sql", "/nonexistent/run", "SELECT 1"], "path not found: /nonexistent/run"),
     (["status", "/tmp"], "not a buffer or run directory: /tmp"),

@@ -298,12 +298,71 @@ def test_version_stats_gives_the_sums_of_the_rows_from_the_footers(many_versions
                     "FROM version_stats GROUP BY 1 ORDER BY 1").to_pylist()
     assert [(r["version"], r["n"]) for r in fast] == [(r["version"], r["n"]) for r in scan]
     assert [r["r"] for r in fast] == pytest.approx([r["r"] for r in scan], abs=1e-12)
+    _check_versions(db, want, scan)
     bad = plain[1]
     lost = pq.read_table(bad).filter(pa.compute.equal(pq.read_table(bad).column("sample_index"), 0)).num_rows
     bad.write_bytes(b"not parquet")
     total = db.query("SELECT sum(groups)::BIGINT AS n FROM version_stats").to_pylist()[0]["n"]
     assert total == len(groups) - lost
     assert [r["file"] for r in db.query("SELECT file FROM quarantined").to_pylist()] == [bad.name]
+
+
+def _check_versions(db, want: dict, scan: list[dict]) -> None:
+    """SQL's versions view against `want` (the groups' own sums per (version, filtered, reason)) and the full
+    scan's mean reward and completions by version, exactly (sums of rewards within 1e-9)."""
+    per_version: dict = {}
+    for (version, filtered, _), (n, completions, reward_sum) in want.items():
+        row = per_version.setdefault(version, [0, 0, 0, 0.0])
+        row[0], row[1], row[2], row[3] = row[0] + n, row[1] + (n if filtered else 0), row[2] + completions, \
+            row[3] + reward_sum
+    got = db.query("SELECT * FROM versions ORDER BY version").to_pylist()
+    assert {r["version"]: [r["groups"], r["filtered_groups"], r["completions"], pytest.approx(r["reward_sum"], abs=1e-9)]
+            for r in got} == per_version
+    assert [(r["version"], r["completions"]) for r in got] == [(r["version"], r["n"]) for r in scan]
+    assert [r["reward_mean"] for r in got] == pytest.approx([r["r"] for r in scan], abs=1e-12)
+    types = db.query("SELECT column_name, column_type FROM (DESCRIBE versions)").to_pylist()
+    assert [(t["column_name"], t["column_type"]) for t in types] == [
+        ("version", "BIGINT"), ("groups", "BIGINT"), ("filtered_groups", "BIGINT"), ("completions", "BIGINT"),
+        ("reward_sum", "DOUBLE"), ("reward_mean", "DOUBLE")]
+
+
+@pytest.mark.parametrize("footers", [True, False])
+@pytest.mark.parametrize("scale", [1, 100_000])
+def test_versions_gives_a_row_per_version_from_the_footers_or_the_rows(tmp_path, monkeypatch, scale, footers):
+    """SQL's versions view: a row per version with groups, its filtered groups, completions and reward sum
+    and mean, exactly the groups' own sums and the full scan's mean reward; versions spread far apart
+    (scale 100,000: past what version_sums indexes by offset, so by unique()), several shards of one
+    version, c-files beside writer shards; and without footers (footers False: shard_table finds none
+    usable) the same rows from the rows by SQL. An empty buffer gives no row."""
+    from buffer import BufferSQL, compact
+
+    buf = tmp_path / "buffer"
+    with ShardWriter(buf, flush_groups=3, flush_seconds=None):
+        pass
+    assert BufferSQL(buf).query("SELECT * FROM versions").num_rows == 0
+    want: dict = {}
+    with ShardWriter(buf, flush_groups=3, flush_seconds=None) as w:
+        for i, v in enumerate(v * scale for v in (5, 5, 5, 3, 3, 9, 5, 3, 9, 9, 0, 5, 7)):
+            rewards = [1.0, 1.0] if i % 4 == 3 else [0.0, 0.0, 0.0] if i == 12 else [1.0, 0.0, 0.5]
+            w.append(make_group(v, rewards, prompt_id=f"p{i}", seed=i))
+            filtered = max(rewards) == min(rewards)
+            reason = None if not filtered else "all_correct" if rewards[0] == 1.0 else "all_wrong"
+            cell = want.setdefault((v, filtered, reason), [0, 0, 0.0])
+            cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + len(rewards), cell[2] + sum(rewards)
+    compact(buf, target_groups=6, min_age_s=0.0, grace_s=0.0, max_groups=6)
+    with ShardWriter(buf, flush_groups=2, flush_seconds=None) as w:   # writer shards beside the c-files
+        for i, v in enumerate([5 * scale, 11 * scale]):
+            w.append(make_group(v, [1.0, 0.0], prompt_id=f"q{i}", seed=100 + i))
+            cell = want.setdefault((v, False, None), [0, 0, 0.0])
+            cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + 2, cell[2] + 1.0
+    if not footers:
+        import buffer.stats
+
+        monkeypatch.setattr(buffer.stats, "shard_table", lambda shards, con: None)
+    db = BufferSQL(buf)
+    scan = db.query("SELECT version, avg(reward) AS r, count(*) AS n FROM rollouts GROUP BY 1 ORDER BY 1").to_pylist()
+    assert len(scan) == 6
+    _check_versions(db, want, scan)
 
 
 @pytest.mark.parametrize("scale", [1, 1000])

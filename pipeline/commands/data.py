@@ -36,7 +36,11 @@ def sql(path: str, query: str | None, fmt: str, max_width: int) -> None:
     generator_metrics (generator batches) when the run has them,
     quarantined (shards set aside), and archived_rollouts (the columns of
     rollouts, over the shards retention moved to <buffer>/archive/shards/;
-    see compactor.keep_versions) when there are some. With no QUERY, reads
+    see compactor.keep_versions) when there are some. Per-version sums from
+    the shards' footers, which read no row however large the buffer:
+    versions (one row per version: groups, filtered_groups, completions,
+    reward_sum, reward_mean) and version_stats (one per version, filter flag
+    and reason). With no QUERY, reads
     queries from stdin, or opens a prompt when stdin is a terminal. Only
     SELECT is accepted.
 
@@ -50,6 +54,7 @@ def sql(path: str, query: str | None, fmt: str, max_width: int) -> None:
     Examples:
       asyncgrpo sql runs/demo "SELECT count(*) FROM groups WHERE filtered"
       asyncgrpo sql runs/demo "SELECT version, avg(reward) r FROM rollouts GROUP BY 1 ORDER BY 1"
+      asyncgrpo sql runs/demo "SELECT version, reward_mean FROM versions ORDER BY 1"   # the same, no row read
       asyncgrpo sql runs/demo --format csv "SELECT * FROM consumed" > ledger.csv
       asyncgrpo sql runs/a "SELECT version, avg(reward) FROM archived_rollouts GROUP BY 1"
       asyncgrpo sql runs/demo          # interactive
@@ -69,7 +74,7 @@ def sql(path: str, query: str | None, fmt: str, max_width: int) -> None:
 def _interactive(db, fmt: str, max_width: int) -> None:
     import readline  # noqa: F401 - line editing and history for input()
     click.echo("asyncgrpo sql: views rollouts, groups, consumed, metrics, generator_metrics, quarantined, "
-               "archived_rollouts (those a run has). "
+               "archived_rollouts (those a run has), versions, version_stats. "
                "End a query with ';'. Ctrl-D quits.")
     lines: list[str] = []
     while True:
