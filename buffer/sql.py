@@ -167,7 +167,8 @@ FROM rollouts GROUP BY ALL
 """
 # versions from version_stats, where the footers cannot be used (the fast path sums them in numpy instead).
 _VERSIONS_SCAN_SQL = """
-SELECT version, sum(groups)::BIGINT AS groups, coalesce(sum(groups) FILTER (WHERE filtered), 0)::BIGINT AS filtered_groups,
+SELECT version, sum(groups)::BIGINT AS groups,
+       coalesce(sum(groups) FILTER (WHERE filtered), 0)::BIGINT AS filtered_groups,
        sum(completions)::BIGINT AS completions, sum(reward_sum) AS reward_sum,
        sum(reward_sum) / sum(completions) AS reward_mean
 FROM version_stats GROUP BY version

@@ -316,8 +316,8 @@ def _check_versions(db, want: dict, scan: list[dict]) -> None:
         row[0], row[1], row[2], row[3] = row[0] + n, row[1] + (n if filtered else 0), row[2] + completions, \
             row[3] + reward_sum
     got = db.query("SELECT * FROM versions ORDER BY version").to_pylist()
-    assert {r["version"]: [r["groups"], r["filtered_groups"], r["completions"], pytest.approx(r["reward_sum"], abs=1e-9)]
-            for r in got} == per_version
+    assert {r["version"]: [r["groups"], r["filtered_groups"], r["completions"],
+                           pytest.approx(r["reward_sum"], abs=1e-9)] for r in got} == per_version
     assert [(r["version"], r["completions"]) for r in got] == [(r["version"], r["n"]) for r in scan]
     assert [r["reward_mean"] for r in got] == pytest.approx([r["r"] for r in scan], abs=1e-12)
     types = db.query("SELECT column_name, column_type FROM (DESCRIBE versions)").to_pylist()
