@@ -178,12 +178,24 @@ def shard_tables(shards: list[Path], con, blocks_below: int | None = None) -> "t
     return (pa.concat_tables(parts) if parts else types.empty_table()), blocks
 
 
+def version_index(version: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The versions to sum cells over, ascending, and each cell's place among them (`at`, shape (C,)).
+
+    Versions run nearly without gaps (one per trainer step), so a version's place is its offset from the
+    lowest, over every version of that span; a `version` array sparser than that is indexed by unique()
+    instead (only the versions present)."""
+    lo = int(version.min()) if len(version) else 0
+    span = int(version.max()) - lo + 1 if len(version) else 0
+    if span <= 2 * len(version) + 1024:
+        return lo + np.arange(span, dtype=np.int64), version - lo
+    return np.unique(version, return_inverse=True)
+
+
 def version_sums(cells: "pa.Table") -> "pa.Table":
     """shard_table's cells summed per version (version_sums_types' columns, a row per version with groups,
     in version order), for SQL's `versions` view: one row per version without a GROUP BY in the query.
 
-    bincount over the versions' offsets from the lowest when that range is at most a few times the cells,
-    else over np.unique's codes. Summing per version alone, with no flag or reason in the key, is what
+    bincounts over version_index's places. Summing per version alone, with no flag or reason in the key, is what
     keeps it cheap: from the synthetic soak's first tenth's buffer (23,000 cells) to its final buffer
     (230,000 cells, 100,000 versions), this sum and "mean reward by version" over it grew by 8 ms, where
     the same question over version_stats (a GROUP BY over (version, flag, reason), then over version)
@@ -194,15 +206,10 @@ def version_sums(cells: "pa.Table") -> "pa.Table":
     if cells.num_rows == 0:
         return version_sums_types().empty_table()
     column = {n: cells.column(n).to_numpy() for n in ("version", "groups", "completions", "reward_sum")}
-    version, groups = column["version"], column["groups"]
-    low = int(version.min())
-    span = int(version.max()) - low + 1
-    if span <= max(4 * len(version), 1 << 16):   # a cell without groups has no completions or reward either
-        at, versions = version - low, np.arange(low, low + span)
-    else:
-        versions, at = np.unique(version, return_inverse=True)
+    groups = column["groups"]
+    versions, at = version_index(column["version"])
     count = np.bincount(at, weights=groups, minlength=len(versions))
-    present = np.flatnonzero(count)
+    present = np.flatnonzero(count)   # a cell without groups has no completions or reward either
 
     def summed(weights: np.ndarray) -> np.ndarray:
         return np.bincount(at, weights=weights, minlength=len(versions))[present]
