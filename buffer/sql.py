@@ -175,20 +175,20 @@ FROM version_stats GROUP BY version
 """
 
 
-def _version_stats(con: duckdb.DuckDBPyConnection, shards: list) -> None:
-    """The version_stats and versions views on `con` (whose rollouts view reads `shards`), over the footers'
-    sums."""
+def _version_stats(con: duckdb.DuckDBPyConnection, shards: list, versions: bool = True) -> None:
+    """The version_stats view on `con` (whose rollouts view reads `shards`), over the footers' sums, and with
+    `versions`, the versions view (its per-version sums are computed only for a query that names it)."""
     from buffer.stats import shard_table, shard_types, version_sums
 
     cells = shard_table(shards, con) if shards else shard_types().empty_table()
     if cells is None:
         con.execute(f"CREATE VIEW version_stats AS {_STATS_SCAN_SQL}")
-        con.execute(f"CREATE VIEW versions AS {_VERSIONS_SCAN_SQL}")
+        if versions:
+            con.execute(f"CREATE VIEW versions AS {_VERSIONS_SCAN_SQL}")
         return
-    # A row per version, summed before the query: "mean reward by version" is then a projection
-    # (version_sums), where over version_stats it is a GROUP BY of a GROUP BY.
-    con.register("_versions_cells", version_sums(cells))
-    con.execute("CREATE VIEW versions AS SELECT * FROM _versions_cells")
+    if versions:   # a row per version, summed before the query: "mean reward by version" is then a projection
+        con.register("_versions_cells", version_sums(cells))   # (over version_stats: a GROUP BY of a GROUP BY)
+        con.execute("CREATE VIEW versions AS SELECT * FROM _versions_cells")
     # A view over the cells (an Arrow table held by the connection), not a table filled from them: a query
     # sums the cells itself, where an INSERT ... ORDER BY copied them into DuckDB's storage first (on the
     # synthetic soak's final buffer, 230,000 cells: "mean reward by version" 138-173 ms against 178-216).
@@ -235,9 +235,10 @@ class BufferSQL:
         d = self.generator_metrics_dir
         return run_file_set(d, "generator_metrics").live() if d is not None else []
 
-    def connect(self, *, stats: bool = False) -> duckdb.DuckDBPyConnection:
+    def connect(self, *, stats: bool = False, versions: bool = True) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory connection with the views over the current files, locked down; with
-        `stats`, also the version_stats and versions views (a footer read per shard)."""
+        `stats`, also the version_stats view and, with `versions`, the versions view (a footer read per
+        shard)."""
         shards, ledger, metrics = self._files()
         archived = self._archived(shards)
         self._listed = shards + ledger + metrics + archived
@@ -267,7 +268,7 @@ class BufferSQL:
             con.execute("CREATE VIEW generator_metrics AS SELECT * FROM "
                         f"read_parquet({_files_sql(gen_metrics)}, union_by_name = true)")
         if stats:
-            _version_stats(con, shards)
+            _version_stats(con, shards, versions)
         con.execute("CREATE TABLE quarantined (file VARCHAR, reason VARCHAR, quarantined_at DOUBLE)")
         q = self.dir.quarantined()
         if q:
@@ -295,7 +296,8 @@ class BufferSQL:
         for _ in range(1000):
             con = None
             try:
-                con = self.connect(stats=_STATS_NAME.search(sql) is not None)  # binding reads every footer
+                named = {m.lower() for m in _STATS_NAME.findall(sql)}   # binding reads every footer
+                con = self.connect(stats=bool(named), versions="versions" in named)
                 rel = con.sql(sql)
                 if rel is None:
                     raise SqlError(f"the query returned nothing to show: {sql.strip()[:80]!r}")
